@@ -1,0 +1,63 @@
+"""Scheduler and cache configuration: frozen, grouped by concern, no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from phaselab.errors import ConfigError
+
+POLICIES = ("chunked", "prefill-first")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    num_blocks: int = field(default=0, metadata={"help": "KV blocks in the pool (set from --kv-cache-memory)"})
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse full KV blocks of identical prefixes (chained hash)"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size={self.block_size} must be >= 1")
+        if self.num_blocks < 0:
+            raise ConfigError(f"num_blocks={self.num_blocks} must be >= 0")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: str = field(
+        default="chunked",
+        metadata={"help": "'chunked' (decode-first, prefill chunks fill the budget) or 'prefill-first'"},
+    )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one iteration (prefill + decode tokens)"}
+    )
+    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_model_len: int = field(default=8192, metadata={"help": "most tokens (prompt + output) per request"})
+    long_prefill_token_threshold: int = field(
+        default=0, metadata={"help": "cap on one request's prefill chunk per iteration (0 = none)"}
+    )
+    max_num_partial_prefills: int = field(
+        default=1, metadata={"help": "most requests left mid-prefill at the end of an iteration (chunked)"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown scheduling policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables it)")
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError("max_num_partial_prefills must be >= 1")
+        if self.policy == "prefill-first" and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"policy 'prefill-first' prefills each prompt whole, so max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
+                "raise the budget, lower max_model_len, or use policy 'chunked'"
+            )

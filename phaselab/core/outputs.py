@@ -1,0 +1,99 @@
+"""The one plain-data contract between the scheduler and whatever executes its plan.
+
+    scheduler.schedule() -> SchedulerOutput ──▶ executor.execute(plan) -> StepResult
+    scheduler.update(plan, result) -> list[RequestDelta]
+
+The torch runner, the simulator's cost model and the disaggregated workers all read the same
+objects. Everything here is plain Python (ints, lists, dataclasses) so it pickles cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from phaselab.core.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of one iteration: compute `token_ids` at positions
+    `start_position .. start_position + len(token_ids) - 1`, reading/writing K/V through
+    `block_ids` (the full block table after this step's allocation)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    block_ids: list[int]
+    new_block_ids: list[int]
+    sample: bool  # this chunk reaches the last known token: the executor samples one token
+    is_prefill: bool  # phase label of this chunk (see Request.is_prefill)
+    sampling_params: SamplingParams
+    num_output_tokens: int = 0  # tokens sampled so far (min_tokens, seeded-draw bookkeeping)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the cache once this chunk is written (prefix + chunk)."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    iteration_id: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # requests finished or aborted since the previous plan: executors drop their per-request state
+    finished_request_ids: list[str] = field(default_factory=list)
+    num_free_blocks: int = 0
+    num_used_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled if s.is_prefill)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled if not s.is_prefill)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-n alternatives (from the raw model logits)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    iteration_id: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # measured durations of the step's parts (ns), filled by the executor
+    prepare_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+
+
+@dataclass
+class RequestDelta:
+    """What one iteration changed for one request, as the engine's output side needs it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None
+    logprobs: TokenLogprobs | None = None
