@@ -74,6 +74,8 @@ class ModelConfig:
         """Build from a Hugging Face config.json dict; refuses what the model cannot run."""
         archs = d.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs and d.get("model_type") in SUPPORTED_ARCHITECTURES.values():
+            arch = d["model_type"]  # configs written without `architectures` (e.g. converted from GGUF)
         if arch is None:
             raise UnsupportedModelError(
                 f"architecture {archs or d.get('model_type')!r} is not supported; phaselab runs "

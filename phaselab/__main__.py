@@ -1,0 +1,5 @@
+import sys
+
+from phaselab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,67 @@
+"""Engine configuration: frozen dataclasses grouped by concern, with help text and no I/O.
+
+`EngineArgs` is what users pass (strings like "2GiB", "auto", None = defaults); the engine
+resolves it against the loaded model into the concrete `CacheConfig` and `SchedulerConfig`
+of `phaselab.core.config`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field, fields
+
+from phaselab.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: str | int) -> int:
+    """'2GiB' -> 2147483648; '512MB' -> 512000000; an int passes through."""
+    if isinstance(value, int):
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read a memory size from {value!r}; write e.g. '2GiB', '512MiB' or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)"})
+    tokenizer: str | None = field(default=None, metadata={"help": "tokenizer.json or HF directory overriding the model's tokenizer"})
+    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)"})
+    kv_cache_memory: str | int = field(default="2GiB", metadata={"help": "memory for the paged KV cache, allocated once at start"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    max_model_len: int | None = field(default=None, metadata={"help": "most tokens per request (default: the model's context, capped by the cache)"})
+    policy: str = field(default="chunked", metadata={"help": "chunked (decode-first, chunked prefill) | prefill-first"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per iteration (default 2048 for chunked, max_model_len for prefill-first)"})
+    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap on one request's prefill chunk (0 = none)"})
+    max_num_partial_prefills: int = field(default=1, metadata={"help": "most requests left mid-prefill after an iteration"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of identical prefixes"})
+    seed: int = field(default=0, metadata={"help": "seed of unseeded requests' random draws"})
+    num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        parse_bytes(self.kv_cache_memory)
+
+    @classmethod
+    def field_help(cls) -> dict[str, str]:
+        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
+
+
+def runtime_settings() -> dict[str, str | int | None]:
+    """Thread settings that decide speed on a small shared machine; recorded with every run."""
+    import torch
+
+    return {
+        "torch_num_threads": torch.get_num_threads(),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+    }

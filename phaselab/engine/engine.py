@@ -1,0 +1,274 @@
+"""The engine loop: `step()` is schedule -> execute -> update, then turn deltas into outputs.
+
+    add_request ──▶ tokenize ──▶ scheduler.add_request (WAITING)
+    step():  plan = scheduler.schedule()          # pure Python, core/
+             result = executor.execute(plan)      # torch runner (or a cost model, or a remote worker)
+             deltas = scheduler.update(plan, result)
+             outputs = self._process(...)         # detokenize, stop strings, phase timestamps
+
+Requests join and leave between steps (continuous batching). The engine owns the clock: it
+stamps the phase timestamps of core/timing.py around each step; core never reads a clock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from phaselab.config import EngineArgs, parse_bytes, runtime_settings
+from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.core.executor import Executor
+from phaselab.core.outputs import RequestDelta, SchedulerOutput, StepResult, TokenLogprobs
+from phaselab.core.request import Request, RequestStatus
+from phaselab.core.sampling_params import SamplingParams
+from phaselab.core.scheduler import Scheduler
+from phaselab.core.timing import PrefillChunk, RequestMetrics
+from phaselab.engine.detokenizer import IncrementalDetokenizer
+from phaselab.engine.outputs import CompletionOutput, RequestOutput
+from phaselab.engine.runner import ModelRunner, kv_block_bytes
+from phaselab.errors import ConfigError, InvalidRequestError
+from phaselab.model.llama import LlamaForCausalLM
+from phaselab.model.loader import LoadedCheckpoint, load_checkpoint
+from phaselab.model.sampler import Sampler
+from phaselab.model.tokenizer import Tokenizer
+
+logger = logging.getLogger("phaselab.engine")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """auto: bf16 where the CPU has bf16 matmul hardware (AMX or AVX512-BF16), else fp32."""
+    if name == "auto":
+        fast_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of one request (the scheduler's Request holds the token counters)."""
+
+    request: Request
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    was_preempted: bool = False
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs | None = None, checkpoint: LoadedCheckpoint | None = None) -> None:
+        args = args or EngineArgs()
+        self.args = args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        self.dtype = resolve_dtype(args.dtype)
+        ckpt = checkpoint or load_checkpoint(args.model, self.dtype, args.tokenizer)
+        self.model_config = config = ckpt.config
+        self.tokenizer: Tokenizer = ckpt.tokenizer
+        self.checkpoint_path, self.checkpoint_format = ckpt.path, ckpt.format
+
+        block_bytes = kv_block_bytes(config, args.block_size, self.dtype)
+        num_blocks = parse_bytes(args.kv_cache_memory) // block_bytes
+        capacity = num_blocks * args.block_size
+        if num_blocks < 1:
+            raise ConfigError(
+                f"kv_cache_memory={args.kv_cache_memory} holds no KV block ({block_bytes} bytes each); raise it"
+            )
+        max_model_len = args.max_model_len or min(config.max_position_embeddings, capacity)
+        if max_model_len > capacity:
+            raise ConfigError(
+                f"max_model_len={max_model_len} tokens does not fit the KV cache ({capacity} tokens in "
+                f"{args.kv_cache_memory}); raise --kv-cache-memory to at least "
+                f"{-(-max_model_len // args.block_size) * block_bytes / 2**20:.0f}MiB or lower --max-model-len"
+            )
+        if max_model_len > config.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len={max_model_len} exceeds the model's context "
+                f"({config.max_position_embeddings} positions); lower --max-model-len"
+            )
+        budget = args.max_num_batched_tokens or (2048 if args.policy == "chunked" else max_model_len)
+        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
+        self.scheduler_config = SchedulerConfig(
+            policy=args.policy,
+            max_num_batched_tokens=budget,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, max_positions=max_model_len)
+        model = model.to_empty(device="cpu").to(self.dtype)
+        model.rotary.__init__(config, max_model_len)  # buffers were on the meta device
+        model.load_weights(ckpt.weights, source=ckpt.path)
+        del ckpt
+        model.eval()
+        self.eos_token_ids = frozenset(config.eos_token_ids) | self.tokenizer.eos_token_ids
+        self.executor: Executor = ModelRunner(
+            model, num_blocks, args.block_size, self.dtype, Sampler(self.eos_token_ids, seed=args.seed)
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        logger.info(
+            "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
+            config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, num_blocks,
+            args.block_size, max_model_len, args.policy, budget, runtime_settings(),
+        )
+
+    # -- requests --------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise InvalidRequestError (touching no state) for a prompt the engine cannot serve."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (prompt plus at least "
+                f"one output token must fit); shorten the prompt or raise --max-model-len / --kv-cache-memory"
+            )
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrived_ns: int | None = None,
+    ) -> str:
+        arrived_ns = arrived_ns or time.monotonic_ns()
+        params = params or SamplingParams()
+        request_id = request_id or self.new_request_id()
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_ids = self.tokenize(prompt)
+        tokenized_ns = time.monotonic_ns()
+        self.validate_prompt(prompt_ids)
+        request = Request(
+            request_id, prompt_ids, params, arrival_time=arrived_ns / 1e9,
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+        )
+        self.scheduler.add_request(request)
+        metrics = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=time.monotonic_ns(),
+                                 num_prompt_tokens=len(prompt_ids))
+        self._tracked[request_id] = _Tracked(
+            request, prompt if isinstance(prompt, str) else None,
+            IncrementalDetokenizer(self.tokenizer, prompt_ids, params), metrics,
+            [] if params.logprobs is not None else None,
+        )
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        """Abort in any phase; blocks are freed now, the executor drops its state next step."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        now = time.monotonic_ns()
+        outs = []
+        for rid in request_ids:
+            t = self._tracked.pop(rid, None)
+            if t is not None:
+                t.finish_reason = "abort"
+                t.metrics.finished_ns, t.metrics.finish_reason = now, "abort"
+                outs.append(self._output(t, finished=True))
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        start_ns = time.monotonic_ns()
+        result = self.executor.execute(plan)
+        end_ns = time.monotonic_ns()
+        deltas = self.scheduler.update(plan, result)
+        return self._process(plan, result, deltas, start_ns, end_ns)
+
+    def _process(
+        self, plan: SchedulerOutput, result: StepResult, deltas: list[RequestDelta], start_ns: int, end_ns: int
+    ) -> list[RequestOutput]:
+        for rid in plan.preempted_request_ids:
+            if (t := self._tracked.get(rid)) is not None:
+                t.metrics.preempted_ns.append(start_ns)
+                t.was_preempted = True
+        for s in plan.scheduled:
+            t = self._tracked.get(s.request_id)
+            if t is None:
+                continue
+            m = t.metrics
+            if m.first_scheduled_ns is None:
+                m.first_scheduled_ns = start_ns
+                m.num_cached_tokens = max(t.request.num_cached_tokens, 0)
+            if t.was_preempted:
+                m.resumed_ns.append(start_ns)
+                t.was_preempted = False
+            if s.is_prefill:
+                m.prefill_chunks.append(PrefillChunk(plan.iteration_id, start_ns, end_ns, s.num_tokens))
+        outputs = []
+        for d in deltas:
+            t = self._tracked.get(d.request_id)
+            if t is None:
+                continue
+            m = t.metrics
+            for _ in d.new_token_ids:
+                m.token_sampled_ns.append(end_ns)
+                m.token_iteration_ids.append(plan.iteration_id)
+            if m.first_token_sampled_ns is None and d.new_token_ids:
+                m.first_token_sampled_ns = end_ns
+            if t.logprobs is not None and d.logprobs is not None:
+                t.logprobs.append(d.logprobs)
+            t.new_token_ids = d.new_token_ids
+            stop_str = t.detok.update(d.new_token_ids) if d.new_token_ids else None
+            if stop_str is not None and d.finish_reason is None:
+                self.scheduler.finish_requests([d.request_id], RequestStatus.FINISHED_STOPPED)
+            if stop_str is not None:
+                t.finish_reason, t.stop_reason = "stop", stop_str
+            elif d.finish_reason is not None:
+                t.finish_reason, t.stop_reason = d.finish_reason, d.stop_reason
+            finished = t.finish_reason is not None
+            if finished:
+                m.finished_ns, m.finish_reason = end_ns, t.finish_reason
+                del self._tracked[d.request_id]
+            outputs.append(self._output(t, finished))
+        return outputs
+
+    def _output(self, t: _Tracked, finished: bool) -> RequestOutput:
+        r = t.request
+        completion = CompletionOutput(
+            index=0,
+            text=t.detok.output_text,
+            token_ids=list(r.output_token_ids),
+            finish_reason=t.finish_reason,
+            stop_reason=t.stop_reason,
+            logprobs=list(t.logprobs) if t.logprobs is not None else None,
+        )
+        return RequestOutput(
+            request_id=r.request_id, prompt=t.prompt, prompt_token_ids=r.prompt_token_ids,
+            outputs=[completion], finished=finished, metrics=t.metrics,
+            num_cached_tokens=max(r.num_cached_tokens, 0),
+        )
+
+    def tracked(self, request_id: str) -> _Tracked | None:
+        return self._tracked.get(request_id)

@@ -1,0 +1,127 @@
+"""The torch executor: plan -> tensors -> one forward pass -> sampled token ids.
+
+Every iteration runs all of its scheduled requests in ONE forward pass over a flat token batch;
+only attention separates them (see model/attention.py). The KV cache is allocated once, zeroed
+(padding slots of the batched decode read it; they must hold finite numbers), and never grows.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
+from phaselab.model.attention import AttentionMetadata, PrefillSeq
+from phaselab.model.config import ModelConfig
+from phaselab.model.llama import LlamaForCausalLM
+from phaselab.model.sampler import Sampler
+
+
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return config.kv_bytes_per_token(torch.finfo(dtype).bits // 8) * block_size
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        sampler: Sampler,
+    ) -> None:
+        c = model.config
+        self.model = model
+        self.block_size = block_size
+        self.sampler = sampler
+        self.dtype = dtype
+        self.kv_caches = torch.zeros(
+            (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim), dtype=dtype
+        )
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_caches.numel() * self.kv_caches.element_size()
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        self.sampler.free(plan.finished_request_ids)
+        result = StepResult(iteration_id=plan.iteration_id)
+        if plan.is_empty:
+            return result
+        t0 = time.perf_counter_ns()
+        input_ids, positions, meta, logits_indices, sampling = self._prepare(plan.scheduled)
+        t1 = time.perf_counter_ns()
+        with torch.inference_mode():
+            logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
+        t2 = time.perf_counter_ns()
+        if sampling:
+            token_ids, logprobs = self.sampler.sample(logits, sampling)
+            for s, tok, lp in zip(sampling, token_ids, logprobs):
+                result.sampled_token_ids[s.request_id] = tok
+                if lp is not None:
+                    result.logprobs[s.request_id] = lp
+        t3 = time.perf_counter_ns()
+        result.prepare_ns, result.forward_ns, result.sample_ns = t1 - t0, t2 - t1, t3 - t2
+        return result
+
+    def _prepare(self, scheduled: list[ScheduledRequest]):  # type: ignore[no-untyped-def]
+        """Flatten the plan: token ids, positions, cache slots, attention metadata, logits rows."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillSeq] = []
+        decode_rows: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        logits_indices: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        for s in scheduled:
+            row, n, start, table = len(input_ids), len(s.token_ids), s.start_position, s.block_ids
+            input_ids.extend(s.token_ids)
+            positions.extend(range(start, start + n))
+            if n == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            else:
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                prefills.append(PrefillSeq(row, row + n, start, torch.tensor(table, dtype=torch.long)))
+            if s.sample:
+                logits_indices.append(row + n - 1)
+                sampling.append(s)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills, block_size=bs)
+        if decode_rows:
+            max_blocks = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
+            lens = torch.tensor(decode_lens)
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
+            meta.decode_block_tables = tables
+            meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
+        return (
+            torch.tensor(input_ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.long),
+            sampling,
+        )
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], block_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence (teacher forcing), written into `block_ids`.
+
+        A test and analysis helper: the same forward pass the engine runs, all rows returned.
+        """
+        n = len(token_ids)
+        assert len(block_ids) * self.block_size >= n
+        bs = self.block_size
+        slots = [block_ids[p // bs] * bs + p % bs for p in range(n)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            prefills=[PrefillSeq(0, n, 0, torch.tensor(block_ids, dtype=torch.long))],
+            block_size=bs,
+        )
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        return self.model(ids, torch.arange(n), self.kv_caches, meta, None)

@@ -1,0 +1,96 @@
+"""Paged attention over a flat batch of tokens.
+
+The cache of one layer is `(2, num_blocks, block_size, kv_heads, head_dim)`; a request's tokens
+live in the blocks of its block table, token p in block `table[p // block_size]`, slot
+`p % block_size`. Every iteration first writes the new K/V through `slot_mapping`, then:
+
+- multi-token chunks (prefill, or recompute after preemption) attend one request at a time:
+  straight to their own fresh K/V when nothing is cached before them, else to the cached prefix
+  read through the block table plus the chunk, with a causal mask offset by the prefix length;
+- single-token queries (decode) attend together in one batched call: their contexts are gathered
+  through padded block tables and masked to each request's length. Grouped-query attention is
+  computed by viewing the H query heads as (kv_heads, group) so K/V are never repeated.
+
+Metadata is passed explicitly (no global context); it is built once per step by the runner and
+shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    token_start: int  # rows of this chunk in the flat batch: [token_start, token_end)
+    token_end: int
+    start_position: int  # tokens of this request already in the cache before the chunk
+    block_table: torch.Tensor  # (num_blocks_of_request,) int64
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: flat cache slot of every new token
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    decode_rows: torch.Tensor | None = None  # (Bd,) rows of single-token queries in the flat batch
+    decode_block_tables: torch.Tensor | None = None  # (Bd, max_blocks) int64, padded with block 0
+    decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
+    block_size: int = 16
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    _, _, _, kvh, hd = kv_cache.shape
+    kv_cache[0].view(-1, kvh, hd).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, kvh, hd).index_copy_(0, slot_mapping, v)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """(num_blocks, bs, kvh, hd) cache of K or V -> (kvh, length, hd) for one request."""
+    _, bs, kvh, hd = cache.shape
+    return cache[block_table].view(-1, kvh, hd)[:length].transpose(0, 1)
+
+
+def paged_attention(
+    q: torch.Tensor,  # (T, H, hd)
+    k: torch.Tensor,  # (T, kvh, hd)
+    v: torch.Tensor,  # (T, kvh, hd)
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kvh, hd)
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    T, H, hd = q.shape
+    kvh = k.shape[1]
+    out = torch.empty_like(q)
+    for seq in meta.prefills:
+        rows = slice(seq.token_start, seq.token_end)
+        n = seq.token_end - seq.token_start
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
+        if seq.start_position == 0:
+            ks = k[rows].transpose(0, 1).unsqueeze(0)  # (1, kvh, n, hd)
+            vs = v[rows].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=H != kvh)
+        else:
+            ctx = seq.start_position + n
+            ks = gather_context(kv_cache[0], seq.block_table, ctx).unsqueeze(0)  # (1, kvh, ctx, hd)
+            vs = gather_context(kv_cache[1], seq.block_table, ctx).unsqueeze(0)
+            # query i sits at position start+i and sees keys 0..start+i
+            key_pos = torch.arange(ctx)
+            q_pos = torch.arange(seq.start_position, ctx)
+            mask = key_pos[None, :] <= q_pos[:, None]  # (n, ctx)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=H != kvh)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+    if meta.decode_rows is not None:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        Bd = meta.decode_rows.shape[0]
+        group = H // kvh
+        qd = q[meta.decode_rows].view(Bd, kvh, group, hd)  # the group plays the query-length role
+        tables = meta.decode_block_tables
+        kd = kv_cache[0][tables].view(Bd, -1, kvh, hd).transpose(1, 2)  # (Bd, kvh, L, hd)
+        vd = kv_cache[1][tables].view(Bd, -1, kvh, hd).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        out[meta.decode_rows] = od.reshape(Bd, H, hd)
+    return out

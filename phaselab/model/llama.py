@@ -1,0 +1,240 @@
+"""Llama-family decoder as plain nn.Modules (SmolLM2, Llama 2/3, Mistral, Qwen2).
+
+Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...). At load time
+`load_weights` fuses q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj` (one GEMM
+each instead of three/two); the HF names stay the loading contract.
+
+The forward pass works on a flat batch of tokens from many requests (no padding): linear layers
+see all T tokens of the iteration at once; only attention needs to know which token belongs to
+which request, and reads/writes K/V through the paged cache (see `attention.py`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phaselab.errors import ModelFormatError
+from phaselab.model.attention import AttentionMetadata, paged_attention
+from phaselab.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # statistics in fp32 whatever the model dtype (as HF does), scale applied after the cast back
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with llama3-style scaling when the config has it."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    s = config.rope_scaling
+    if s is None:
+        return inv_freq
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    # long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * scaled / factor + smooth * scaled
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_positions, computed once in fp32."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # (P, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, hd) each
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (T, heads, hd); cos/sin: (T, hd)
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.scale = self.head_dim**-0.5
+        # fused at load time from HF's q_proj/k_proj/v_proj
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # (T, hidden)
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kv_heads, hd) of this layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)  # (T, heads, hd)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, h, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        kv_caches: torch.Tensor,  # (layers, 2, num_blocks, block_size, kv_heads, hd)
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor | None = None,  # rows whose logits are needed (None = all)
+    ) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)  # (T, hidden)
+        cos, sin = self.rotary(positions, h.dtype)
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, kv_caches[i], meta)
+        if logits_indices is not None:
+            h = h[logits_indices]  # only the rows that sample go through the norm and LM head
+        h = self.model.norm(h)
+        return F.linear(h, self.lm_head_weight).float()  # (rows, vocab) fp32
+
+    # -- loading ------------------------------------------------------------------------------
+    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF tensor name this config needs, with its shape (the strict-loading contract)."""
+        c = self.config
+        h, hd = c.hidden_size, c.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "self_attn.q_proj.weight"] = (c.num_attention_heads * hd, h)
+            shapes[p + "self_attn.k_proj.weight"] = (c.num_key_value_heads * hd, h)
+            shapes[p + "self_attn.v_proj.weight"] = (c.num_key_value_heads * hd, h)
+            if c.attention_bias:
+                shapes[p + "self_attn.q_proj.bias"] = (c.num_attention_heads * hd,)
+                shapes[p + "self_attn.k_proj.bias"] = (c.num_key_value_heads * hd,)
+                shapes[p + "self_attn.v_proj.bias"] = (c.num_key_value_heads * hd,)
+            shapes[p + "self_attn.o_proj.weight"] = (h, c.num_attention_heads * hd)
+            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
+        return shapes
+
+    @torch.no_grad()
+    def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; strict on names and shapes."""
+        expected = self.expected_hf_shapes()
+        missing = sorted(set(expected) - set(weights))
+        if missing:
+            raise ModelFormatError(
+                f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; the checkpoint does not "
+                "match its config (wrong file, or an incomplete download/conversion)"
+            )
+        unexpected = sorted(set(weights) - set(expected))
+        if unexpected:
+            raise ModelFormatError(f"{source}: unexpected tensor(s) {unexpected[:3]} for this config")
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise ModelFormatError(
+                    f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape} from the config"
+                )
+        params = dict(self.named_parameters())
+
+        def put(dst: str, *srcs: str) -> None:
+            params[dst].copy_(torch.cat([weights[s] for s in srcs], dim=0))
+
+        put("model.embed_tokens.weight", "model.embed_tokens.weight")
+        put("model.norm.weight", "model.norm.weight")
+        if self.lm_head is not None:
+            put("lm_head.weight", "lm_head.weight")
+        for i in range(self.config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            put(p + "input_layernorm.weight", p + "input_layernorm.weight")
+            put(p + "post_attention_layernorm.weight", p + "post_attention_layernorm.weight")
+            put(a + "qkv_proj.weight", a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+            if self.config.attention_bias:
+                put(a + "qkv_proj.bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+            put(a + "o_proj.weight", a + "o_proj.weight")
+            put(p + "mlp.gate_up_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            put(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight")
