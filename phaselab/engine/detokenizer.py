@@ -78,9 +78,12 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """All text so far (stop string excluded unless include_stop_str_in_output). Tokens whose
-        text is still incomplete are not in it until more tokens complete it or the final
-        `get_next_output_text(finished=True, ...)` flushes them."""
+        """All text so far (stop string excluded unless include_stop_str_in_output).
+
+        Never ends in half a character: tokens whose text is incomplete (e.g. max_tokens cut an
+        emoji in two) are left out until more tokens complete it or the final
+        `get_next_output_text(finished=True, ...)` flushes them, so read the final text after
+        that call (or use its return value with delta=False)."""
         return self._text
 
     @property

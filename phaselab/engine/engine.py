@@ -117,6 +117,7 @@ class LLMEngine:
             model, num_blocks, args.block_size, self.dtype, Sampler(self.eos_token_ids, seed=args.seed)
         )
         self._tracked: dict[str, _Tracked] = {}
+        self.last_plan: SchedulerOutput | None = None
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
@@ -204,7 +205,25 @@ class LLMEngine:
         result = self.executor.execute(plan)
         end_ns = time.monotonic_ns()
         deltas = self.scheduler.update(plan, result)
+        self.last_plan = plan
         return self._process(plan, result, deltas, start_ns, end_ns)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits at every position of one sequence (teacher forcing), outside the loop.
+
+        Borrows free blocks from the pool for the duration of the call, so it must not run
+        concurrently with step(). Used by tests and analysis.
+        """
+        self.validate_prompt(token_ids)
+        assert isinstance(self.executor, ModelRunner), "score() needs the local torch runner"
+        pool = self.scheduler.kv_cache_manager.block_pool
+        blocks = pool.allocate(-(-len(token_ids) // self.cache_config.block_size))
+        if blocks is None:
+            raise InvalidRequestError("not enough free KV blocks to score this sequence now; retry when idle")
+        try:
+            return self.executor.score(token_ids, blocks)
+        finally:
+            pool.free(blocks)
 
     def _process(
         self, plan: SchedulerOutput, result: StepResult, deltas: list[RequestDelta], start_ns: int, end_ns: int
@@ -258,7 +277,8 @@ class LLMEngine:
         r = t.request
         completion = CompletionOutput(
             index=0,
-            text=t.detok.output_text,
+            # finished: flush text of a trailing partial character too (it ends in U+FFFD, as decode does)
+            text=t.detok.get_next_output_text(finished=finished, delta=False),
             token_ids=list(r.output_token_ids),
             finish_reason=t.finish_reason,
             stop_reason=t.stop_reason,

@@ -40,6 +40,13 @@ class LLM:
                  **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory, **engine_options))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. one built from an already loaded checkpoint)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
 

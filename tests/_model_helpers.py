@@ -1,0 +1,117 @@
+"""Helpers for tests that run the bundled model next to Hugging Face transformers."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+# A few paragraphs of ordinary prose and code; repeated with numbered sections they make long
+# prompts whose tokens are realistic (not random ids), so greedy continuations are meaningful.
+PARAGRAPHS = [
+    "Large language model inference has two phases. Prefill runs the whole prompt through the model "
+    "at once and fills the key-value cache; decode then adds one token per step, reading every weight "
+    "and the cached keys and values of the whole history.",
+    "The river wound through the valley past the old mill, where children used to gather chestnuts in "
+    "the autumn. Nobody remembered who had built the bridge, but everyone agreed it had outlasted "
+    "three floods and at least one stubborn mayor.",
+    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+    "print([fibonacci(i) for i in range(10)])",
+    "Photosynthesis converts light energy into chemical energy. In the chloroplasts, water is split, "
+    "oxygen is released, and carbon dioxide is fixed into sugars through the Calvin cycle.",
+    "Question: What is the capital of Australia, and why was it chosen over Sydney and Melbourne? "
+    "Answer: Canberra was chosen as a compromise between the two rival cities in 1908.",
+]
+
+
+def bundled_gguf_path() -> str:
+    from phaselab.model.loader import default_model_path
+
+    return default_model_path()
+
+
+def load_hf_reference(gguf_path: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), dtype=dtype
+        )
+    return model.eval()
+
+
+def long_text(num_sections: int) -> str:
+    parts = []
+    for i in range(num_sections):
+        parts.append(f"Section {i + 1}. " + PARAGRAPHS[i % len(PARAGRAPHS)])
+    return "\n\n".join(parts)
+
+
+def make_prompts(tokenizer) -> list[list[int]]:
+    """8 chat prompts of varied lengths; the last is >= 1500 tokens."""
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "List three prime numbers and explain why they are prime.",
+        "Summarize this: " + long_text(2),
+        "Explain what this code does:\n" + PARAGRAPHS[2],
+        "Translate to French: The weather is nice today and I would like to go for a walk.",
+        "Give a short answer. " + long_text(6) + "\nWhich section talks about plants?",
+        "Read the following document and answer the question at the end.\n" + long_text(30)
+        + "\nQuestion: which section first mentions the old mill?",
+    ]
+    prompts = []
+    for q in questions:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    assert len(prompts[-1]) >= 1500, len(prompts[-1])
+    return prompts
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.inference_mode()
+def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits at every position of one sequence."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+NEAR_TIE = 1e-3  # DESIGN.md: a divergence where both candidates' fp32 logits are this close is a tie
+
+
+def compare_greedy(ours: list[int], ref: list[int], prompt: list[int], ref_logits_fn) -> str | None:
+    """Token-identical, with DESIGN.md's one allowance.
+
+    Returns None when equal, or a report of the near-tie at which they diverged (the comparison
+    stops there). Raises AssertionError for a real divergence.
+    """
+    n = min(len(ours), len(ref))
+    for i in range(n):
+        if ours[i] != ref[i]:
+            logits = ref_logits_fn(prompt + ref[:i])[-1]
+            gap = abs(float(logits[ours[i]]) - float(logits[ref[i]]))
+            if gap < NEAR_TIE:
+                return f"near-tie at output position {i}: tokens {ours[i]} vs {ref[i]}, fp32 logit gap {gap:.2e}"
+            raise AssertionError(
+                f"greedy outputs diverge at position {i}: ours {ours[i]} vs reference {ref[i]} "
+                f"(fp32 logit gap {gap:.4f} > {NEAR_TIE}); ours={ours[: i + 3]} ref={ref[: i + 3]}"
+            )
+    assert len(ours) == len(ref), f"lengths differ: {len(ours)} vs {len(ref)} (with equal common prefix)"
+    return None
+
+
+def make_llm(checkpoint, **options):
+    """An LLM over an already loaded checkpoint (saves reloading the GGUF per engine)."""
+    from phaselab.config import EngineArgs
+    from phaselab.engine.engine import LLMEngine
+    from phaselab.engine.llm import LLM
+
+    return LLM.from_engine(LLMEngine(EngineArgs(**options), checkpoint=checkpoint))

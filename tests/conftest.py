@@ -1,0 +1,39 @@
+"""Shared fixtures. Thread settings first: OpenMP reads them when torch loads it."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from tests._model_helpers import bundled_gguf_path  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bundled_path() -> str:
+    return bundled_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def hf_model(bundled_path):
+    """Hugging Face transformers' own reading of the bundled GGUF, fp32: the reference."""
+    from tests._model_helpers import load_hf_reference
+
+    return load_hf_reference(bundled_path)
+
+
+@pytest.fixture(scope="session")
+def llm_fp32():
+    from phaselab import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="1GiB", max_model_len=4096)
+
+
+@pytest.fixture(scope="session")
+def prompts(llm_fp32) -> list[list[int]]:
+    from tests._model_helpers import make_prompts
+
+    return make_prompts(llm_fp32.get_tokenizer())
