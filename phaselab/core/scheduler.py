@@ -1,0 +1,353 @@
+"""The scheduler: which requests compute how many tokens in each iteration.
+
+    add_request ──▶ waiting ──schedule──▶ running ──update: stop / length──▶ finished
+                       ▲                     │
+                       └── front ◀─ preempt ─┘     finish_requests (abort, stop string): any state
+
+One iteration is `plan = schedule()`, `result = executor.execute(plan)`, `update(plan, result)`.
+`schedule()` advances each scheduled request's num_computed_tokens right away (as vLLM v1 does),
+so the next plan can be built from the counters alone; `update()` appends the sampled tokens,
+checks stops, registers the blocks the step filled in the prefix cache, and frees finished
+requests. A request is in prefill or decode only by its counters (see Request.is_prefill).
+
+Policies (SchedulerConfig.policy):
+
+- `chunked` (default, decode-first). One pass over `running` in admission order: a request in
+  decode gets its one token; a request mid-prefill (or recomputing after a preemption) gets a
+  chunk of min(tokens left, budget left minus one token for each decode not yet served,
+  long_prefill_token_threshold if set), so every decode is served before any prefill token is
+  spent. Then, unless this iteration preempted someone, waiting requests are admitted in FCFS
+  order (preempted ones at the front) with chunks of the same rule from the remaining budget.
+  At most `max_num_partial_prefills` requests may be left mid-prefill at the end of an
+  iteration. FCFS is strict: when the head of the queue cannot be admitted (budget, seqs,
+  blocks, partial-prefill limit), nobody behind it is, so the head is never starved.
+- `prefill-first`. If the head of the waiting queue can be admitted with its whole remaining
+  prompt, the iteration admits waiting requests (FCFS, whole prompts) while budget, seqs and
+  blocks allow and schedules no decode token; otherwise it gives every running request its
+  decode token. No request is ever left mid-prefill (the config guarantees
+  max_num_batched_tokens >= max_model_len).
+
+Preemption by recompute: when a running request cannot get the block its step needs, the most
+recently admitted running request is preempted (possibly itself): its blocks are freed, its
+num_computed_tokens goes back to 0 and it goes to the front of the waiting queue. On resume it
+recomputes prompt + generated tokens (its own registered blocks may be prefix hits) and samples
+only once all of them are computed, so its output is unchanged. Admission never preempts, and an
+iteration that preempted admits nobody (it has just run out of blocks). Victims always come from
+the not-yet-scheduled tail of `running`, so nothing scheduled in this iteration is undone.
+
+Decisions where the spec was silent:
+- Every schedule() call gets a new iteration id, empty plans included: an empty plan still
+  carries finished_request_ids that executors must see. update() is optional for an empty plan.
+- A request's length limit is min(its max_num_tokens, max_model_len, KV capacity + 1 tokens):
+  a request that could not fit even alone would otherwise preempt itself forever. With a cache
+  of at least max_model_len tokens (the engine's default sizing) max_model_len binds first.
+  add_request writes the effective limit back to request.max_num_tokens.
+- A request aborted between schedule() and update() is dropped from the step's results; its
+  blocks are freed at once (the synchronous engine loop finishes the step before the next
+  schedule() can reuse them).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
+from phaselab.core.outputs import RequestDelta, ScheduledRequest, SchedulerOutput, StepResult
+from phaselab.core.request import Request, RequestStatus
+from phaselab.errors import InvalidRequestError
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()  # WAITING / PREEMPTED, preempted ones at the front
+        self.running: list[Request] = []  # RUNNING, in admission order: the last is the next victim
+        self.iteration_id = -1  # id of the last plan
+        self.num_preemptions_total = 0
+        self._finished_ids: list[str] = []  # finished since the last plan
+        self._in_flight: dict[str, Request] = {}  # the last plan's requests, until update()
+        self._last_plan: SchedulerOutput | None = None
+
+    # -- requests in --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        cfg, size = self.scheduler_config, self.cache_config.block_size
+        num_prompt, num_blocks = request.num_prompt_tokens, self.kv_cache_manager.num_blocks
+        if num_prompt >= cfg.max_model_len:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: the prompt has {num_prompt} tokens but max_model_len "
+                f"is {cfg.max_model_len} (prompt + at least one output token); shorten the prompt or "
+                "raise max_model_len"
+            )
+        if cdiv(num_prompt, size) > num_blocks:
+            raise InvalidRequestError(
+                f"request {request.request_id!r}: the prompt has {num_prompt} tokens and needs "
+                f"{cdiv(num_prompt, size)} KV blocks of {size} tokens, but the whole cache holds "
+                f"{num_blocks} blocks ({num_blocks * size} tokens); shorten the prompt or give the "
+                "KV cache more memory (--kv-cache-memory)"
+            )
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
+        limit = min(cfg.max_model_len, num_blocks * size + 1)
+        if request.max_num_tokens is not None:
+            limit = min(limit, request.max_num_tokens)
+        assert limit > num_prompt
+        request.max_num_tokens = limit
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish requests in any state (abort, stop string) and free their blocks now.
+        Unknown or already finished ids are ignored. Returns the requests finished here."""
+        assert status.is_finished
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        finished = []
+        for rid in ids:
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status  # set first: a finished request's free() also drops its hashes
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # -- schedule -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        assert not self._in_flight, "schedule() called before update() of the previous plan"
+        self.iteration_id += 1
+        plan = SchedulerOutput(iteration_id=self.iteration_id)
+        budget = self.scheduler_config.max_num_batched_tokens
+        if self.scheduler_config.policy == "prefill-first":
+            self._schedule_waiting(plan, budget, whole_prompts=True)
+            if not plan.scheduled:
+                self._schedule_running(plan, budget)
+        else:
+            budget = self._schedule_running(plan, budget)
+            if not plan.preempted_request_ids:
+                self._schedule_waiting(plan, budget, whole_prompts=False)
+        plan.finished_request_ids, self._finished_ids = self._finished_ids, []
+        plan.num_free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
+        plan.num_used_blocks = self.kv_cache_manager.block_pool.num_used_blocks
+        self._in_flight = {s.request_id: self.requests[s.request_id] for s in plan.scheduled}
+        self._last_plan = plan
+        return plan
+
+    def _schedule_running(self, plan: SchedulerOutput, budget: int) -> int:
+        """Serve running requests in admission order; decodes first by budget reservation.
+        Returns the budget left."""
+        num_decodes_left = sum(1 for r in self.running if not r.is_prefill)  # not yet served
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            is_decode = not request.is_prefill
+            if is_decode:
+                num_decodes_left -= 1
+                num_new = 1
+            else:
+                num_new = self._chunk_size(request.num_tokens_to_compute, budget - num_decodes_left)
+                if num_new == 0:
+                    i += 1
+                    continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim = self.running.pop()  # most recently admitted; never one served already
+                if victim is not request and not victim.is_prefill:
+                    num_decodes_left -= 1
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break  # the request preempted itself: it was the last one running
+            self._add_scheduled(plan, request, num_new, new_block_ids, is_prefill=not is_decode)
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, plan: SchedulerOutput, budget: int, whole_prompts: bool) -> int:
+        """Admit waiting requests in strict FCFS order. Returns the budget left."""
+        cfg = self.scheduler_config
+        num_partial = sum(1 for r in self.running if self._is_partial(r))
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            hit_block_ids, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
+            num_to_compute = request.num_tokens - num_hit_tokens
+            if whole_prompts:
+                if num_to_compute > budget:
+                    break
+                num_new = num_to_compute
+            else:
+                num_new = self._chunk_size(num_to_compute, budget)
+            left_partial = self._leaves_partial(request, num_to_compute - num_new)
+            if left_partial and num_partial >= cfg.max_num_partial_prefills:
+                break
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new, hit_block_ids)
+            if new_block_ids is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:  # first admission
+                request.num_cached_tokens = num_hit_tokens
+            self.running.append(request)
+            # Before the step nothing is computed: an admission is a prefill (also a resume).
+            self._add_scheduled(plan, request, num_new, new_block_ids, is_prefill=True)
+            num_partial += left_partial
+            budget -= num_new
+        return budget
+
+    def _chunk_size(self, num_to_compute: int, budget: int) -> int:
+        num_new = min(num_to_compute, budget)
+        if self.scheduler_config.long_prefill_token_threshold > 0:
+            num_new = min(num_new, self.scheduler_config.long_prefill_token_threshold)
+        return max(num_new, 0)
+
+    @staticmethod
+    def _leaves_partial(request: Request, num_left: int) -> bool:
+        """Would `num_left` uncomputed tokens leave the request mid-prefill? One token left
+        after an output exists is a decode step (a resumed request catching up), not a prefill."""
+        return num_left > 1 or (num_left == 1 and request.num_output_tokens == 0)
+
+    @classmethod
+    def _is_partial(cls, request: Request) -> bool:
+        return cls._leaves_partial(request, request.num_tokens_to_compute)
+
+    def _add_scheduled(
+        self, plan: SchedulerOutput, request: Request, num_new: int, new_block_ids: list[int], is_prefill: bool
+    ) -> None:
+        start = request.num_computed_tokens
+        plan.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=request.all_token_ids[start : start + num_new],
+                start_position=start,
+                block_ids=list(self.kv_cache_manager.req_to_blocks[request.request_id]),
+                new_block_ids=new_block_ids,
+                sample=start + num_new == request.num_tokens,
+                is_prefill=is_prefill,
+                sampling_params=request.sampling_params,
+                num_output_tokens=request.num_output_tokens,
+            )
+        )
+        request.num_computed_tokens += num_new
+
+    def _preempt(self, request: Request, plan: SchedulerOutput) -> None:
+        # Its full computed blocks were registered by update(): they stay cached while free.
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(request)
+        plan.preempted_request_ids.append(request.request_id)
+
+    # -- results in ---------------------------------------------------------------------------
+    def update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestDelta]:
+        """Apply one executed plan: returns one delta per request that got a token or finished."""
+        assert plan.iteration_id == result.iteration_id == self.iteration_id, "update() of a stale plan"
+        in_flight, self._in_flight = self._in_flight, {}
+        deltas = []
+        for scheduled in plan.scheduled:
+            request = in_flight.get(scheduled.request_id)
+            if request is None or request.is_finished:
+                continue  # finished (aborted) after schedule(): its result is dropped
+            self.kv_cache_manager.cache_blocks(request, scheduled.context_len)
+            if not scheduled.sample:
+                continue
+            rid = request.request_id
+            assert rid in result.sampled_token_ids, f"the executor sampled no token for {rid}"
+            token_id = result.sampled_token_ids[rid]
+            request.append_output_token(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+            deltas.append(
+                RequestDelta(
+                    request_id=rid,
+                    new_token_ids=[token_id],
+                    finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason,
+                    logprobs=result.logprobs.get(rid),
+                )
+            )
+        self.running = [r for r in self.running if not r.is_finished]
+        return deltas
+
+    @staticmethod
+    def _check_stop(request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        assert request.max_num_tokens is not None  # set by add_request
+        if request.num_tokens >= request.max_num_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- queries ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """An unfinished request by id (finished ones are forgotten)."""
+        return self.requests.get(request_id)
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        return self.kv_cache_manager.stats
+
+    # -- invariants ---------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Asserts what must hold between steps (tests call it after every one)."""
+        cfg, kv = self.scheduler_config, self.kv_cache_manager
+        kv.check_invariants()  # ref count == number of tables holding the block, for every block
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running) and len(waiting_ids) == len(self.waiting)
+        assert not running_ids & waiting_ids and running_ids | waiting_ids == set(self.requests)
+        assert set(kv.req_to_blocks) == running_ids, "only running requests hold blocks"
+        for r in self.running:
+            assert r.status == RequestStatus.RUNNING
+            assert len(kv.req_to_blocks[r.request_id]) == cdiv(r.num_computed_tokens, kv.block_size)
+        for r in self.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and r.num_computed_tokens == 0
+        assert len(self.running) <= cfg.max_num_seqs
+        num_partial = sum(1 for r in self.running if self._is_partial(r))
+        if cfg.policy == "prefill-first":
+            assert num_partial == 0, "prefill-first left a request mid-prefill"
+        else:
+            assert num_partial <= cfg.max_num_partial_prefills
+        plan = self._last_plan
+        if plan is not None:
+            assert plan.num_tokens <= cfg.max_num_batched_tokens
+            assert len(plan.scheduled) <= cfg.max_num_seqs
+            assert len({s.request_id for s in plan.scheduled}) == len(plan.scheduled)
+            if cfg.policy == "prefill-first":
+                assert not (plan.num_prefill_tokens and plan.num_decode_tokens), "mixed prefill-first plan"
