@@ -37,7 +37,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False  # q/k/v carry a bias (Qwen2); for Llama/Mistral o_proj too, as in HF
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     name: str = ""

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from phaselab.errors import ModelFormatError
 from phaselab.model.attention import AttentionMetadata, paged_attention
 from phaselab.model.config import ModelConfig
 
@@ -81,6 +80,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def has_o_proj_bias(config: ModelConfig) -> bool:
+    return config.attention_bias and config.architecture != "qwen2"
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -91,7 +94,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         # fused at load time from HF's q_proj/k_proj/v_proj
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # HF's Llama/Mistral `attention_bias` also biases o_proj; Qwen2 biases q/k/v only
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=has_o_proj_bias(config))
 
     def forward(
         self,
@@ -176,48 +180,12 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(h, self.lm_head_weight).float()  # (rows, vocab) fp32
 
     # -- loading ------------------------------------------------------------------------------
-    def expected_hf_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every HF tensor name this config needs, with its shape (the strict-loading contract)."""
-        c = self.config
-        h, hd = c.hidden_size, c.head_dim
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, h)
-        for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-            shapes[p + "self_attn.q_proj.weight"] = (c.num_attention_heads * hd, h)
-            shapes[p + "self_attn.k_proj.weight"] = (c.num_key_value_heads * hd, h)
-            shapes[p + "self_attn.v_proj.weight"] = (c.num_key_value_heads * hd, h)
-            if c.attention_bias:
-                shapes[p + "self_attn.q_proj.bias"] = (c.num_attention_heads * hd,)
-                shapes[p + "self_attn.k_proj.bias"] = (c.num_key_value_heads * hd,)
-                shapes[p + "self_attn.v_proj.bias"] = (c.num_key_value_heads * hd,)
-            shapes[p + "self_attn.o_proj.weight"] = (h, c.num_attention_heads * hd)
-            shapes[p + "mlp.gate_proj.weight"] = (c.intermediate_size, h)
-            shapes[p + "mlp.up_proj.weight"] = (c.intermediate_size, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, c.intermediate_size)
-        return shapes
-
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; strict on names and shapes."""
-        expected = self.expected_hf_shapes()
-        missing = sorted(set(expected) - set(weights))
-        if missing:
-            raise ModelFormatError(
-                f"{source}: {len(missing)} tensor(s) missing, e.g. {missing[:3]}; the checkpoint does not "
-                "match its config (wrong file, or an incomplete download/conversion)"
-            )
-        unexpected = sorted(set(weights) - set(expected))
-        if unexpected:
-            raise ModelFormatError(f"{source}: unexpected tensor(s) {unexpected[:3]} for this config")
-        for name, shape in expected.items():
-            if tuple(weights[name].shape) != shape:
-                raise ModelFormatError(
-                    f"{source}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape} from the config"
-                )
+        from phaselab.model.loader import check_tensor_shapes
+
+        check_tensor_shapes(self.config, {k: tuple(v.shape) for k, v in weights.items()}, source)
         params = dict(self.named_parameters())
 
         def put(dst: str, *srcs: str) -> None:
@@ -236,5 +204,7 @@ class LlamaForCausalLM(nn.Module):
             if self.config.attention_bias:
                 put(a + "qkv_proj.bias", a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
             put(a + "o_proj.weight", a + "o_proj.weight")
+            if has_o_proj_bias(self.config):
+                put(a + "o_proj.bias", a + "o_proj.bias")
             put(p + "mlp.gate_up_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
             put(p + "mlp.down_proj.weight", p + "mlp.down_proj.weight")
