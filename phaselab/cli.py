@@ -69,7 +69,36 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the EOS token")
     s.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument("--record", metavar="DIR", default=None,
+                     help="write the run directory (requests.jsonl, iterations.jsonl, trace.json, config.json, "
+                          "metrics.prom; see docs/run-directory.md) to DIR")
     _add_engine_args(gen)
+
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API (docs/server.md)",
+                         description="Serve the engine behind an OpenAI-compatible HTTP API: /v1/completions, "
+                                     "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, "
+                                     "/version. SIGTERM/SIGINT drain, then exit 0.")
+    h = srv.add_argument_group("server")
+    h.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    h.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    h.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: smollm2-135m for the bundled model, else the "
+                        "model file's stem or directory's name)")
+    h.add_argument("--api-key", default=os.environ.get("PHASELAB_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $PHASELAB_API_KEY, else none)")
+    h.add_argument("--max-request-bytes", default="1MiB", help="largest request body; larger ones get 413 "
+                                                               "(default: 1MiB)")
+    h.add_argument("--max-queued-requests", type=int, default=256,
+                   help="answer 503 + Retry-After while this many requests wait for admission (default: 256)")
+    h.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them "
+                        "(default: 30)")
+    h.add_argument("--record", metavar="DIR", default=None,
+                   help="write the run directory to DIR on shutdown, on POST /record/flush and on SIGUSR1")
+    h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="log level (default: info)")
+    _add_engine_args(srv)
     return parser
 
 
@@ -107,6 +136,9 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             sys.stdout.flush()
             last = out
     sys.stdout.write("\n")
+    if ns.record:
+        engine.write_record(ns.record)
+        print(f"run directory written to {ns.record} (open trace.json in https://ui.perfetto.dev)", file=sys.stderr)
     if last is not None:
         m = last.metrics
         n = len(last.token_ids)
@@ -121,6 +153,25 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(ns: argparse.Namespace) -> int:
+    _set_threads(ns)
+    import logging
+
+    from phaselab.config import parse_bytes
+    from phaselab.server.app import ServerConfig, run_server, served_model_name
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        model_name=ns.served_model_name or served_model_name(ns.model),
+        api_key=ns.api_key or None,
+        max_request_bytes=parse_bytes(ns.max_request_bytes),
+        max_queued_requests=ns.max_queued_requests,
+        drain_timeout_s=ns.drain_timeout,
+        record_dir=ns.record,
+    )
+    return run_server(_engine_args(ns), config, host=ns.host, port=ns.port, log_level=ns.log_level)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     from phaselab.errors import PhaselabError
@@ -128,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "generate":
             return cmd_generate(ns)
+        if ns.command == "serve":
+            return cmd_serve(ns)
     except PhaselabError as e:
         print(f"phaselab: error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# The phases that tile TTFT, in timeline order (RequestMetrics.ttft_components_ns).
+TTFT_COMPONENTS = (
+    "tokenize", "admission", "queue", "schedule_to_prefill", "prefill_compute", "prefill_wait",
+    "post_prefill", "transfer_queue", "transfer", "decode_admission", "delivery",
+)
+
+
 @dataclass
 class PrefillChunk:
     iteration_id: int
@@ -28,7 +35,8 @@ class RequestMetrics:
     tokenized_ns: int | None = None
     queued_ns: int | None = None
     first_scheduled_ns: int | None = None
-    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)  # up to the first token
+    recompute_chunks: list[PrefillChunk] = field(default_factory=list)  # after a preemption post-first-token
     first_token_sampled_ns: int | None = None
     kv_transfer_queued_ns: int | None = None  # disaggregated serving only
     kv_transfer_start_ns: int | None = None
@@ -42,8 +50,14 @@ class RequestMetrics:
     resumed_ns: list[int] = field(default_factory=list)
     finished_ns: int | None = None
     finish_reason: str | None = None
+    request_id: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    worker: str = ""  # the worker that prefilled it (disaggregated: also decode_worker)
+    decode_worker: str | None = None
+    error: str | None = None
 
     # -- derived durations (seconds; None when the phase did not happen) ---------------------------
     @staticmethod
@@ -94,3 +108,160 @@ class RequestMetrics:
         if n < 2 or self.e2e_s is None or self.ttft_s is None:
             return None
         return (self.e2e_s - self.ttft_s) / (n - 1)
+
+    # -- derived durations added for the phase record (obs/): additive, same conventions -----------
+    @property
+    def admission_s(self) -> float | None:
+        """Tokenized until queued in the scheduler (validation, request construction)."""
+        return self._span(self.tokenized_ns, self.queued_ns)
+
+    @property
+    def prefill_wait_s(self) -> float | None:
+        """Time between prefill chunks: prefill span minus prefill compute."""
+        if not self.prefill_chunks:
+            return None
+        return (self._prefill_span_ns() - self._prefill_compute_ns()) / 1e9
+
+    @property
+    def transfer_queue_s(self) -> float | None:
+        """KV transfer queued until it started (disaggregated serving only)."""
+        return self._span(self.kv_transfer_queued_ns, self.kv_transfer_start_ns)
+
+    @property
+    def transfer_s(self) -> float | None:
+        """KV transfer start to end (disaggregated serving only)."""
+        return self._span(self.kv_transfer_start_ns, self.kv_transfer_end_ns)
+
+    @property
+    def decode_admission_wait_s(self) -> float | None:
+        """KV transfer end until the decode worker admitted the request."""
+        return self._span(self.kv_transfer_end_ns, self.decode_admitted_ns)
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token sampled until finished (vLLM's decode time starts at the same point)."""
+        return self._span(self.first_token_sampled_ns, self.finished_ns)
+
+    @property
+    def delivery_s(self) -> list[float]:
+        """Per token: sampled -> sent (only tokens that have both timestamps)."""
+        return [(b - a) / 1e9 for a, b in zip(self.token_sampled_ns, self.token_sent_ns)]
+
+    @property
+    def first_token_sent_ns(self) -> int | None:
+        """TTFT's end: the first token sent (sampled, where nothing is sent)."""
+        return self.token_sent_ns[0] if self.token_sent_ns else self.first_token_sampled_ns
+
+    def _prefill_compute_ns(self) -> int:
+        return sum(c.end_ns - c.start_ns for c in self.prefill_chunks)
+
+    def _prefill_span_ns(self) -> int:
+        return self.prefill_chunks[-1].end_ns - self.prefill_chunks[0].start_ns if self.prefill_chunks else 0
+
+    def ttft_components_ns(self) -> dict[str, int]:
+        """TTFT (arrived -> first token sent) tiled into consecutive phases, in ns; sums exactly.
+
+        A cursor walks the milestones in vocabulary order; each phase gets cursor -> its
+        milestone. A missing milestone, or one after the first token was sent, is skipped (its
+        phase adds 0); one earlier than the cursor adds 0. So the parts always tile
+        [arrived, first sent], whatever the deployment. Disaggregated: the KV transfer counts only
+        where the first token is sent after it (e.g. by the decode worker); `transfer_queue` runs
+        from the first token sampled to the transfer start; `delivery` is the rest up to the send.
+        Empty before a first token exists.
+        """
+        end = self.first_token_sent_ns
+        if end is None:
+            return {}
+        parts = dict.fromkeys(TTFT_COMPONENTS, 0)
+        cursor = self.arrived_ns
+
+        def advance(phase: str, milestone: int | None) -> None:
+            nonlocal cursor
+            if milestone is not None and milestone <= end:
+                reached = max(milestone, cursor)
+                parts[phase] += reached - cursor
+                cursor = reached
+
+        advance("tokenize", self.tokenized_ns)
+        advance("admission", self.queued_ns)
+        advance("queue", self.first_scheduled_ns)
+        if self.prefill_chunks:
+            advance("schedule_to_prefill", self.prefill_chunks[0].start_ns)
+            advance("prefill_compute", self.prefill_chunks[-1].end_ns)
+            # the chunk region [first start, last end] splits into compute and the waits between
+            region = parts["prefill_compute"]
+            parts["prefill_compute"] = min(region, self._prefill_compute_ns())
+            parts["prefill_wait"] = region - parts["prefill_compute"]
+        advance("post_prefill", self.first_token_sampled_ns)
+        advance("transfer_queue", self.kv_transfer_queued_ns)
+        advance("transfer_queue", self.kv_transfer_start_ns)
+        advance("transfer", self.kv_transfer_end_ns)
+        advance("decode_admission", self.decode_admitted_ns)
+        parts["delivery"] = end - cursor
+        return parts
+
+    def ttft_components(self) -> dict[str, float]:
+        """`ttft_components_ns()` in seconds (sums to ttft_s up to float rounding)."""
+        return {k: v / 1e9 for k, v in self.ttft_components_ns().items()}
+
+
+@dataclass
+class ModeledCost:
+    """What one iteration must move and compute, from the model config and the plan alone.
+
+    MODELED, not measured: weights read once per iteration, each decode reads its whole context's
+    K/V, each prefill chunk reads the K/V of the prefix before it, every computed token writes its
+    K/V; FLOPs are 2 x MACs of the linear layers (LM head for sampled rows only) plus attention
+    (QK^T and PV over the keys each query attends). See docs/metrics.md for the formulas.
+    """
+
+    weight_bytes: int = 0
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+    matmul_flops: int = 0
+    attention_flops: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.matmul_flops + self.attention_flops
+
+
+@dataclass
+class ScheduledChunk:
+    request_id: str
+    num_tokens: int
+    is_prefill: bool
+    context_len: int  # tokens in the cache after this chunk
+
+
+@dataclass
+class IterationRecord:
+    """One scheduler iteration of one worker: when, how long each part took, what it carried."""
+
+    iteration_id: int
+    worker: str
+    role: str  # "colocated" | "prefill" | "decode"
+    start_ns: int  # before schedule()
+    end_ns: int  # after the outputs were handled
+    schedule_ns: int = 0
+    prepare_ns: int = 0
+    forward_ns: int = 0
+    sample_ns: int = 0
+    output_ns: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    modeled: ModeledCost = field(default_factory=ModeledCost)
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9

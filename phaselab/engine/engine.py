@@ -12,10 +12,14 @@ stamps the phase timestamps of core/timing.py around each step; core never reads
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import os
+import platform
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,7 +30,7 @@ from phaselab.core.outputs import RequestDelta, SchedulerOutput, StepResult, Tok
 from phaselab.core.request import Request, RequestStatus
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.timing import PrefillChunk, RequestMetrics
+from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics, ScheduledChunk
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.engine.runner import ModelRunner, kv_block_bytes
@@ -35,6 +39,9 @@ from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import LoadedCheckpoint, load_checkpoint
 from phaselab.model.sampler import Sampler
 from phaselab.model.tokenizer import Tokenizer
+from phaselab.obs.cost import modeled_cost
+from phaselab.obs.prometheus import EngineMetrics
+from phaselab.obs.rundir import write_run_dir
 
 logger = logging.getLogger("phaselab.engine")
 
@@ -63,7 +70,8 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs | None = None, checkpoint: LoadedCheckpoint | None = None) -> None:
+    def __init__(self, args: EngineArgs | None = None, checkpoint: LoadedCheckpoint | None = None,
+                 worker: str = "engine-0", role: str = "colocated") -> None:
         args = args or EngineArgs()
         self.args = args
         if args.num_threads:
@@ -118,6 +126,18 @@ class LLMEngine:
         )
         self._tracked: dict[str, _Tracked] = {}
         self.last_plan: SchedulerOutput | None = None
+        # -- the phase record (docs/metrics.md) --
+        self.worker, self.role = worker, role
+        self.dtype_bytes = torch.finfo(self.dtype).bits // 8
+        self.stamp_sent = True
+        # iteration records, modeled costs, Prometheus, and the finished requests kept for the run
+        # directory; off only to measure what recording costs (benchmarks/record_overhead.py)
+        self.recording = True
+        self.iterations: list[IterationRecord] = []
+        self.finished_requests: list[RequestMetrics] = []
+        self.metrics = EngineMetrics(labels={"worker": worker, "role": role})
+        self._seen_query_tokens = self._seen_hit_tokens = 0
+        self._awaiting_delivery: dict[str, RequestMetrics] = {}
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
@@ -174,7 +194,7 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         metrics = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=time.monotonic_ns(),
-                                 num_prompt_tokens=len(prompt_ids))
+                                 request_id=request_id, num_prompt_tokens=len(prompt_ids), worker=self.worker)
         self._tracked[request_id] = _Tracked(
             request, prompt if isinstance(prompt, str) else None,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, params), metrics,
@@ -191,8 +211,9 @@ class LLMEngine:
             t = self._tracked.pop(rid, None)
             if t is not None:
                 t.finish_reason = "abort"
-                t.metrics.finished_ns, t.metrics.finish_reason = now, "abort"
-                outs.append(self._output(t, finished=True))
+                out = self._output(t, finished=True)
+                self._finish_metrics(out.metrics, out.outputs[0], now)
+                outs.append(out)
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -200,13 +221,123 @@ class LLMEngine:
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic_ns()
         plan = self.scheduler.schedule()
-        start_ns = time.monotonic_ns()
+        t1 = time.monotonic_ns()
         result = self.executor.execute(plan)
-        end_ns = time.monotonic_ns()
+        t2 = time.monotonic_ns()
         deltas = self.scheduler.update(plan, result)
+        outputs = self._process(plan, deltas, t0, t2)
+        if self.recording:
+            self._record_iteration(plan, result, t0, t1, t2)
         self.last_plan = plan
-        return self._process(plan, result, deltas, start_ns, end_ns)
+        return outputs
+
+    def _process(self, plan: SchedulerOutput, deltas: list[RequestDelta], start_ns: int, end_ns: int
+                 ) -> list[RequestOutput]:
+        """Phase timestamps, detokenization and stop strings; returns the outputs of this step.
+
+        A chunk spans its iteration: from before schedule() (start_ns) to the end of the forward
+        pass and sampling (end_ns), which is also when its token counts as sampled.
+        """
+        for rid in plan.preempted_request_ids:
+            if (t := self._tracked.get(rid)) is not None:
+                t.metrics.preempted_ns.append(start_ns)
+                t.metrics.num_preemptions += 1
+                t.was_preempted = True
+        for s in plan.scheduled:
+            t = self._tracked.get(s.request_id)
+            if t is None:
+                continue
+            m = t.metrics
+            if m.first_scheduled_ns is None:
+                m.first_scheduled_ns = start_ns
+                m.num_cached_tokens = max(t.request.num_cached_tokens, 0)
+            if t.was_preempted:
+                m.resumed_ns.append(start_ns)
+                t.was_preempted = False
+            if s.is_prefill:
+                chunks = m.prefill_chunks if m.first_token_sampled_ns is None else m.recompute_chunks
+                chunks.append(PrefillChunk(plan.iteration_id, start_ns, end_ns, s.num_tokens))
+        outputs = []
+        for d in deltas:
+            t = self._tracked.get(d.request_id)
+            if t is None:
+                continue
+            m = t.metrics
+            m.token_sampled_ns.extend(end_ns for _ in d.new_token_ids)
+            m.token_iteration_ids.extend(plan.iteration_id for _ in d.new_token_ids)
+            if m.first_token_sampled_ns is None and d.new_token_ids:
+                m.first_token_sampled_ns = end_ns
+            if t.logprobs is not None and d.logprobs is not None:
+                t.logprobs.append(d.logprobs)
+            t.new_token_ids = d.new_token_ids
+            stop_str = t.detok.update(d.new_token_ids) if d.new_token_ids else None
+            if stop_str is not None and d.finish_reason is None:
+                self.scheduler.finish_requests([d.request_id], RequestStatus.FINISHED_STOPPED)
+            if stop_str is not None:
+                t.finish_reason, t.stop_reason = "stop", stop_str
+            elif d.finish_reason is not None:
+                t.finish_reason, t.stop_reason = d.finish_reason, d.stop_reason
+            finished = t.finish_reason is not None
+            if finished:
+                del self._tracked[d.request_id]
+            outputs.append(self._output(t, finished))
+        sent_ns = time.monotonic_ns()
+        for out in outputs:
+            if self.stamp_sent:  # offline: "sent" = handed to the caller; the server stamps the socket write
+                out.metrics.token_sent_ns.extend(sent_ns for _ in range(len(out.metrics.token_sampled_ns)
+                                                                         - len(out.metrics.token_sent_ns)))
+            if out.finished:
+                self._finish_metrics(out.metrics, out.outputs[0], sent_ns if self.stamp_sent else None)
+        return outputs
+
+    def _finish_metrics(self, m: RequestMetrics, c: CompletionOutput, finished_ns: int | None) -> None:
+        """Close a request's record: now (offline: its last token was just handed over), or, when
+        a server delivers the tokens (stamp_sent off), once it calls `mark_delivered`."""
+        m.finish_reason = c.finish_reason
+        m.num_output_tokens = len(c.token_ids)
+        if finished_ns is None:
+            self._awaiting_delivery[m.request_id] = m
+        else:
+            self._close_record(m, finished_ns)
+
+    def mark_delivered(self, request_id: str, sent_ns: int) -> None:
+        """The server wrote a finished request's last bytes at `sent_ns` (any thread may call)."""
+        m = self._awaiting_delivery.pop(request_id, None)
+        if m is not None:
+            self._close_record(m, sent_ns)
+
+    def _close_record(self, m: RequestMetrics, finished_ns: int) -> None:
+        m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
+        if self.recording:
+            self.metrics.observe_finished(m)
+            self.finished_requests.append(m)
+
+    def _record_iteration(self, plan: SchedulerOutput, result: StepResult, t0: int, t1: int, t2: int) -> None:
+        """The iteration record (core/timing.py), Prometheus, and the prefix-cache counters."""
+        if plan.is_empty:
+            return
+        sched = self.scheduler
+        rec = IterationRecord(
+            iteration_id=plan.iteration_id, worker=self.worker, role=self.role, start_ns=t0,
+            end_ns=time.monotonic_ns(), schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
+            forward_ns=result.forward_ns, sample_ns=result.sample_ns,
+            num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
+            chunks=[ScheduledChunk(s.request_id, s.num_tokens, s.is_prefill, s.context_len) for s in plan.scheduled],
+            num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
+            num_running=sched.num_running, num_waiting=sched.num_waiting,
+            preempted_request_ids=list(plan.preempted_request_ids),
+            modeled=modeled_cost(self.model_config, plan, self.dtype_bytes),
+        )
+        rec.output_ns = rec.end_ns - t2
+        stats = sched.prefix_cache_stats
+        self.metrics.add_prefix_cache(stats.num_query_tokens - self._seen_query_tokens,
+                                      stats.num_hit_tokens - self._seen_hit_tokens)
+        self._seen_query_tokens, self._seen_hit_tokens = stats.num_query_tokens, stats.num_hit_tokens
+        pool = sched.kv_cache_manager.block_pool
+        self.metrics.observe_iteration(rec, sched.num_running, sched.num_waiting, pool.usage, pool.num_used_blocks)
+        self.iterations.append(rec)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (teacher forcing), outside the loop.
@@ -225,54 +356,6 @@ class LLMEngine:
         finally:
             pool.free(blocks)
 
-    def _process(
-        self, plan: SchedulerOutput, result: StepResult, deltas: list[RequestDelta], start_ns: int, end_ns: int
-    ) -> list[RequestOutput]:
-        for rid in plan.preempted_request_ids:
-            if (t := self._tracked.get(rid)) is not None:
-                t.metrics.preempted_ns.append(start_ns)
-                t.was_preempted = True
-        for s in plan.scheduled:
-            t = self._tracked.get(s.request_id)
-            if t is None:
-                continue
-            m = t.metrics
-            if m.first_scheduled_ns is None:
-                m.first_scheduled_ns = start_ns
-                m.num_cached_tokens = max(t.request.num_cached_tokens, 0)
-            if t.was_preempted:
-                m.resumed_ns.append(start_ns)
-                t.was_preempted = False
-            if s.is_prefill:
-                m.prefill_chunks.append(PrefillChunk(plan.iteration_id, start_ns, end_ns, s.num_tokens))
-        outputs = []
-        for d in deltas:
-            t = self._tracked.get(d.request_id)
-            if t is None:
-                continue
-            m = t.metrics
-            for _ in d.new_token_ids:
-                m.token_sampled_ns.append(end_ns)
-                m.token_iteration_ids.append(plan.iteration_id)
-            if m.first_token_sampled_ns is None and d.new_token_ids:
-                m.first_token_sampled_ns = end_ns
-            if t.logprobs is not None and d.logprobs is not None:
-                t.logprobs.append(d.logprobs)
-            t.new_token_ids = d.new_token_ids
-            stop_str = t.detok.update(d.new_token_ids) if d.new_token_ids else None
-            if stop_str is not None and d.finish_reason is None:
-                self.scheduler.finish_requests([d.request_id], RequestStatus.FINISHED_STOPPED)
-            if stop_str is not None:
-                t.finish_reason, t.stop_reason = "stop", stop_str
-            elif d.finish_reason is not None:
-                t.finish_reason, t.stop_reason = d.finish_reason, d.stop_reason
-            finished = t.finish_reason is not None
-            if finished:
-                m.finished_ns, m.finish_reason = end_ns, t.finish_reason
-                del self._tracked[d.request_id]
-            outputs.append(self._output(t, finished))
-        return outputs
-
     def _output(self, t: _Tracked, finished: bool) -> RequestOutput:
         r = t.request
         completion = CompletionOutput(
@@ -289,6 +372,32 @@ class LLMEngine:
             outputs=[completion], finished=finished, metrics=t.metrics,
             num_cached_tokens=max(r.num_cached_tokens, 0),
         )
+
+    # -- the run directory -----------------------------------------------------------------------
+    def run_config(self) -> dict[str, Any]:
+        """config.json of a run directory: model, dtype, policy, budgets, versions, machine."""
+        import phaselab
+
+        return {
+            "model": {"path": self.checkpoint_path, "format": self.checkpoint_format,
+                      "config": dataclasses.asdict(self.model_config)},
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "worker": self.worker,
+            "role": self.role,
+            "engine_args": dataclasses.asdict(self.args),
+            "scheduler": dataclasses.asdict(self.scheduler_config),
+            "cache": {**dataclasses.asdict(self.cache_config),
+                      "kv_cache_bytes": getattr(self.executor, "kv_cache_bytes", None)},
+            "versions": {"phaselab": phaselab.__version__, "torch": torch.__version__,
+                         "python": platform.python_version()},
+            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                        "cpu_count": os.cpu_count(), **runtime_settings()},
+        }
+
+    def write_record(self, path: str) -> None:
+        """Write the run directory (docs/run-directory.md): every finished request, every iteration."""
+        write_run_dir(path, list(self.finished_requests), list(self.iterations), self.run_config(),
+                      self.metrics.render())
 
     def tracked(self, request_id: str) -> _Tracked | None:
         return self._tracked.get(request_id)

@@ -1,0 +1,125 @@
+"""Modeled cost of an iteration against hand computation, plus the obs/ package's purity rules."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
+from phaselab.core.sampling_params import SamplingParams
+from phaselab.core.timing import ModeledCost
+from phaselab.model.config import ModelConfig
+from phaselab.obs.cost import keys_attended, modeled_cost
+
+
+def tiny(tied: bool) -> ModelConfig:
+    # q_size = 2 x 4 = 8, kv_size = 1 x 4 = 4
+    return ModelConfig(
+        architecture="llama", vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=4, tie_word_embeddings=tied,
+    )
+
+
+def entry(rid: str, start: int, n: int, sample: bool, is_prefill: bool) -> ScheduledRequest:
+    return ScheduledRequest(rid, list(range(n)), start, [0], [], sample, is_prefill, SamplingParams())
+
+
+def mixed_plan() -> SchedulerOutput:
+    """A mid-prompt prefill chunk (3 tokens after a 4-token prefix, no sample) + two decodes."""
+    return SchedulerOutput(iteration_id=7, scheduled=[
+        entry("p", start=4, n=3, sample=False, is_prefill=True),
+        entry("d1", start=7, n=1, sample=True, is_prefill=False),
+        entry("d2", start=2, n=1, sample=True, is_prefill=False),
+    ])
+
+
+# Hand computation shared by both tests (dtype_bytes = 2, T = 5 tokens, 2 sampled rows):
+#   per-layer params  = 8*(8+4+4) + 8*8 + 3*8*16 + 2*8 = 128 + 64 + 384 + 16 = 592
+#   num_parameters    = 2*592 + 32*8 (+ 32*8 if untied) + 8 = 1448 tied, 1704 untied
+#   kv bytes / token  = 2 (K,V) * 2 layers * 4 * 2 bytes = 32
+#   kv_write          = 5 * 32 = 160
+#   kv_read           = (4 [chunk: prefix] + 8 [d1: 7+1] + 3 [d2: 2+1]) * 32 = 480
+#   linear MACs/layer = 128 + 64 + 384 = 576
+#   matmul_flops      = 2*5*2*576 + 2*2*8*32 = 11520 + 1024 = 12544
+#   keys attended     = (3*4 + 3*4/2) + 8 + 3 = 18 + 8 + 3 = 29
+#   attention_flops   = 2 layers * 4 * 2 heads * 4 head_dim * 29 = 1856
+
+
+def test_hand_worked_iteration_tied() -> None:
+    cost = modeled_cost(tiny(tied=True), mixed_plan(), dtype_bytes=2)
+    assert cost == ModeledCost(
+        weight_bytes=2896,  # 1448 * 2: the tied table is read whole by the LM head
+        kv_read_bytes=480, kv_write_bytes=160, matmul_flops=12544, attention_flops=1856,
+    )
+    assert cost.total_bytes == 3536 and cost.flops == 14400
+
+
+def test_hand_worked_iteration_untied() -> None:
+    cost = modeled_cost(tiny(tied=False), mixed_plan(), dtype_bytes=2)
+    # (1704 - 256 table + 5 rows * 8) * 2 = 1488 * 2
+    assert cost == ModeledCost(
+        weight_bytes=2976, kv_read_bytes=480, kv_write_bytes=160, matmul_flops=12544, attention_flops=1856,
+    )
+
+
+def test_whole_prompt_prefill_fp32() -> None:
+    # one 6-token prompt from scratch, sampled: reads no KV, attends 6*7/2 = 21 keys
+    plan = SchedulerOutput(iteration_id=0, scheduled=[entry("p", start=0, n=6, sample=True, is_prefill=True)])
+    cost = modeled_cost(tiny(tied=True), plan, dtype_bytes=4)
+    assert cost == ModeledCost(
+        weight_bytes=1448 * 4,
+        kv_read_bytes=0,
+        kv_write_bytes=6 * 64,  # kv bytes/token in fp32 = 2*2*4*4 = 64
+        matmul_flops=2 * 6 * 2 * 576 + 2 * 1 * 8 * 32,  # 13824 + 512
+        attention_flops=2 * 4 * 2 * 4 * 21,  # 1344
+    )
+
+
+def test_empty_plan_costs_nothing() -> None:
+    assert modeled_cost(tiny(tied=False), SchedulerOutput(iteration_id=0), dtype_bytes=2) == ModeledCost()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(min_value=2, max_value=64), min_size=1, max_size=6))
+def test_chunking_keeps_attention_flops_but_rereads_the_prefix(chunk_sizes: list[int]) -> None:
+    """Causal keys add up over chunks, so attention FLOPs do not depend on chunking; each chunk
+    re-reads the prefix written by the chunks before it."""
+    n = sum(chunk_sizes)
+    starts = [sum(chunk_sizes[:k]) for k in range(len(chunk_sizes))]
+    assert sum(keys_attended(c, s) for c, s in zip(chunk_sizes, starts)) == keys_attended(n, 0) == n * (n + 1) // 2
+    config = tiny(tied=True)
+    costs = [modeled_cost(config, SchedulerOutput(0, [entry("p", s, c, False, True)]), 2)
+             for c, s in zip(chunk_sizes, starts)]
+    whole = modeled_cost(config, SchedulerOutput(0, [entry("p", 0, n, False, True)]), 2)
+    assert sum(c.attention_flops for c in costs) == whole.attention_flops
+    assert sum(c.kv_write_bytes for c in costs) == whole.kv_write_bytes
+    assert sum(c.kv_read_bytes for c in costs) == sum(starts) * config.kv_bytes_per_token(2)
+
+
+def test_obs_imports_no_torch() -> None:
+    code = (
+        "import sys, phaselab.obs, phaselab.obs.cost, phaselab.obs.prometheus, phaselab.obs.trace, "
+        "phaselab.obs.rundir; assert 'torch' not in sys.modules, 'phaselab.obs pulled in torch'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_obs_reads_no_clock_except_the_creation_date() -> None:
+    """Callers pass timestamps (the simulator runs on a virtual clock); only config.json is dated."""
+    clocks = {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns",
+              "now", "utcnow", "today"}
+    obs = Path(__file__).parents[1] / "phaselab" / "obs"
+    calls = set()
+    for file in obs.glob("*.py"):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if name in clocks:
+                    calls.add((file.name, ast.unparse(func)))
+    assert calls == {("rundir.py", "datetime.now")}
