@@ -39,6 +39,14 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim), dtype=dtype
         )
+        self._workspace: torch.Tensor | None = None  # decode gather buffer, grown on demand
+
+    def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
+        if self._workspace is None or self._workspace.shape[1] < num_blocks:
+            _, _, _, bs, kvh, hd = self.kv_caches.shape
+            grown = max(num_blocks, 2 * self._workspace.shape[1] if self._workspace is not None else 0)
+            self._workspace = torch.empty((2, grown, bs, kvh, hd), dtype=self.dtype)
+        return self._workspace
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -100,6 +108,7 @@ class ModelRunner:
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
             meta.decode_block_tables = tables
             meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
+            meta.decode_workspace = self._decode_workspace(len(decode_rows) * max_blocks)
         return (
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
@@ -125,3 +134,20 @@ class ModelRunner:
         )
         ids = torch.tensor(token_ids, dtype=torch.long)
         return self.model(ids, torch.arange(n), self.kv_caches, meta, None)
+
+    # -- a request's KV blocks in and out (disaggregated serving, phaselab/disagg/) ----------------
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the K/V held in `block_ids`, in table order:
+        (layers, 2, len(block_ids), block_size, kv_heads, head_dim), contiguous. Safe to call from
+        another thread while a step runs, as long as no step writes these blocks (a parked
+        request's blocks are never scheduled)."""
+        index = torch.tensor(block_ids, dtype=torch.long)
+        return self.kv_caches.index_select(2, index)
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Write K/V shaped like `read_blocks`' result into `block_ids` (between steps)."""
+        L, two, _, bs, kvh, hd = self.kv_caches.shape
+        expected = (L, two, len(block_ids), bs, kvh, hd)
+        assert tuple(kv.shape) == expected, f"KV of shape {tuple(kv.shape)} for blocks shaped {expected}"
+        index = torch.tensor(block_ids, dtype=torch.long)
+        self.kv_caches.index_copy_(2, index, kv.to(self.kv_caches.dtype))

@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # (Bd,) rows of single-token queries in the flat batch
     decode_block_tables: torch.Tensor | None = None  # (Bd, max_blocks) int64, padded with block 0
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
+    # preallocated (2, >= Bd * max_blocks, block_size, kvh, hd) buffer the decode contexts are
+    # gathered into, reused by every layer: a fresh multi-MB tensor per layer costs page faults
+    decode_workspace: torch.Tensor | None = None
     block_size: int = 16
 
 
@@ -88,9 +91,16 @@ def paged_attention(
         Bd = meta.decode_rows.shape[0]
         group = H // kvh
         qd = q[meta.decode_rows].view(Bd, kvh, group, hd)  # the group plays the query-length role
-        tables = meta.decode_block_tables
-        kd = kv_cache[0][tables].view(Bd, -1, kvh, hd).transpose(1, 2)  # (Bd, kvh, L, hd)
-        vd = kv_cache[1][tables].view(Bd, -1, kvh, hd).transpose(1, 2)
+        flat = meta.decode_block_tables.view(-1)
+        n = flat.shape[0]
+        if meta.decode_workspace is not None:
+            ws_k, ws_v = meta.decode_workspace[0, :n], meta.decode_workspace[1, :n]
+            torch.index_select(kv_cache[0], 0, flat, out=ws_k)
+            torch.index_select(kv_cache[1], 0, flat, out=ws_v)
+        else:
+            ws_k, ws_v = kv_cache[0].index_select(0, flat), kv_cache[1].index_select(0, flat)
+        kd = ws_k.view(Bd, -1, kvh, hd).transpose(1, 2)  # (Bd, kvh, L, hd)
+        vd = ws_v.view(Bd, -1, kvh, hd).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
         out[meta.decode_rows] = od.reshape(Bd, H, hd)
     return out
