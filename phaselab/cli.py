@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: info)")
     _add_engine_args(srv)
+    from phaselab.bench.cli import add_bench_parser  # no torch: the bench measures over HTTP only
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -181,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(ns)
         if ns.command == "serve":
             return cmd_serve(ns)
+        if ns.command == "bench":
+            from phaselab.bench.cli import run_bench
+
+            return run_bench(ns)
     except PhaselabError as e:
         print(f"phaselab: error: {e}", file=sys.stderr)
         return 2

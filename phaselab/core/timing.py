@@ -104,7 +104,7 @@ class RequestMetrics:
     @property
     def tpot_s(self) -> float | None:
         """(E2E - TTFT) / (n_out - 1); None for fewer than two output tokens."""
-        n = len(self.token_sampled_ns)
+        n = len(self.token_sampled_ns) or self.num_output_tokens  # a client's record has no sampled stamps
         if n < 2 or self.e2e_s is None or self.ttft_s is None:
             return None
         return (self.e2e_s - self.ttft_s) / (n - 1)

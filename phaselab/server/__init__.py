@@ -1,0 +1,8 @@
+"""OpenAI-compatible HTTP server (`phaselab serve`, docs/server.md).
+
+    app.py           routes, edge middleware (API key, body size), lifecycle, drain on SIGTERM
+    serving.py       OpenAI request -> engine requests; engine deltas -> JSON / SSE; delivery stamps
+    engine_thread.py the engine loop on its own thread, fed through thread-safe queues
+    protocol.py      pydantic request/response bodies
+    errors.py        OpenAI-shaped errors
+"""
