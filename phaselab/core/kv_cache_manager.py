@@ -96,7 +96,8 @@ class KVCacheManager:
 
     # -- allocate / cache / free ------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[int] | None = None,
+        record_query: bool = True,
     ) -> list[int] | None:
         """Grow the request's table to hold `num_new_tokens` more tokens after its computed ones.
 
@@ -105,6 +106,8 @@ class KVCacheManager:
         then sets request.num_computed_tokens to their token count). Returns the blocks appended
         to the table (hits, then fresh ones), or None, changing nothing, if the pool cannot
         provide them. Cached free blocks count as free: allocation evicts them LRU first.
+        `record_query=False` keeps an admission that did not look the cache up (a request whose
+        K/V arrive from a prefill worker) out of the prefix-cache statistics.
         """
         hits = new_computed_blocks or []
         table = self.req_to_blocks.get(request.request_id)
@@ -125,7 +128,7 @@ class KVCacheManager:
         self.req_to_blocks.setdefault(request.request_id, []).extend(new_block_ids)
         if is_admission:
             self._num_registered_blocks[request.request_id] = len(hits)
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and record_query:
                 self._record_query(request, len(hits))
         return new_block_ids
 

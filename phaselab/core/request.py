@@ -54,6 +54,7 @@ class Request:
         arrival_time: float = 0.0,
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int | None = None,
+        prefill_only: bool = False,
     ) -> None:
         assert prompt_token_ids, "a request needs at least one prompt token"
         self.request_id = request_id
@@ -68,6 +69,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0
+        # Disaggregated prefill: once a step has sampled its next token (and it did not finish),
+        # the request is parked: no longer scheduled, its blocks kept until the caller frees them
+        # (the KV is moved to a decode worker). See Scheduler.parked.
+        self.prefill_only = prefill_only
         max_tokens = sampling_params.max_tokens
         # The most tokens this request may ever hold: prompt + max_tokens, capped by max_model_len.
         cap = len(prompt_token_ids) + max_tokens if max_tokens is not None else None

@@ -1,0 +1,251 @@
+"""Fit the cost model's efficiencies and overheads to a real run's iteration log.
+
+    iterations.jsonl: per iteration the plan's MODELED counts (FLOPs, weight / KV bytes, tokens,
+                      requests) and its MEASURED time
+    model (cost.py):  t = o_iter + o_req n
+                        + max(F_lin / P x (a + c / T), W / B x m)      a = 1/e_max, c = rows_half/e_max
+                        + max(F_att / P x a_att, KV / B x m)           a_att = 1/e_att, m = 1/e_mem
+                      (L x o_layer is constant within one model: it is folded into o_iter)
+
+With each max() resolved to one branch the model is linear in (o_iter, o_req, a, c, m, a_att) >= 0,
+so the fit alternates: assign each iteration's branches with the current parameters, solve the
+non-negative least squares of the error weighted by 1/sqrt(measured time) (between the relative
+error, which lets short decode steps count as much as long prefills but biases the total low, and
+the absolute error, which long prefills dominate), reassign, until the assignment is stable; the
+best fit seen is kept. P and B
+are the hardware entry's peak FLOP/s and bandwidth (for this CPU: measured by
+benchmarks/roofline.py); the fitted efficiencies are relative to them.
+
+The measured time of an iteration is its cycle, as the simulator's clock advances it: start to
+the next iteration's start while the engine stayed busy (the engine loop's own work between two
+iterations included), start to end before an idle period.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Any
+
+import numpy as np
+
+from phaselab.core.timing import IterationRecord
+from phaselab.model.config import ModelConfig
+from phaselab.obs.rundir import read_run_dir
+from phaselab.sim.catalog import HardwareSpec, ModelSpec, get_hardware
+from phaselab.sim.cost import CostParams, default_params
+
+COLUMNS = ("o_iter", "o_req", "a_lin", "c_lin", "m_mem", "a_att")
+
+
+@dataclass
+class Fit:
+    params: CostParams
+    coefficients: dict[str, float]
+    num_iterations: int
+    rel_errors: list[float] = field(repr=False, default_factory=list)  # (predicted - measured) / measured
+    measured_total_s: float = 0.0
+    predicted_total_s: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        errs = np.abs(np.asarray(self.rel_errors)) if self.rel_errors else np.zeros(1)
+        signed = np.asarray(self.rel_errors) if self.rel_errors else np.zeros(1)
+        return {
+            "num_iterations": self.num_iterations,
+            "relative_error_abs_mean": float(errs.mean()),
+            "relative_error_abs_p50": float(np.percentile(errs, 50)),
+            "relative_error_abs_p90": float(np.percentile(errs, 90)),
+            "relative_error_abs_p99": float(np.percentile(errs, 99)),
+            "relative_error_rms": float(np.sqrt((signed ** 2).mean())),
+            "relative_error_mean_signed": float(signed.mean()),
+            "measured_total_s": self.measured_total_s,
+            "predicted_total_s": self.predicted_total_s,
+            "total_time_error": (self.predicted_total_s - self.measured_total_s) / self.measured_total_s
+            if self.measured_total_s else math.nan,
+        }
+
+    def to_json(self, hardware: HardwareSpec) -> dict[str, Any]:
+        return {"hardware": hardware.name, **self.params.to_json(), "fit": {**self.summary(),
+                                                                           "coefficients": self.coefficients}}
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    w = a.T @ (b - a @ x)
+    for _ in range(max_iter):
+        if passive.all() or w[~passive].max(initial=-np.inf) <= 1e-12 * max(1.0, np.abs(w).max()):
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+        w = a.T @ (b - a @ x)
+    return x
+
+
+def iteration_cycles(iterations: list[IterationRecord]) -> list[int]:
+    """Measured ns per iteration as the simulator's clock advances (module docstring)."""
+    iters = sorted(iterations, key=lambda r: r.start_ns)
+    cycles = []
+    for k, rec in enumerate(iters):
+        if rec.num_running + rec.num_waiting > 0 and k + 1 < len(iters) and iters[k + 1].worker == rec.worker:
+            cycles.append(iters[k + 1].start_ns - rec.start_ns)
+        else:
+            cycles.append(rec.end_ns - rec.start_ns)
+    return cycles
+
+
+def _features(iterations: list[IterationRecord], model: ModelSpec, hw: HardwareSpec, dtype_bytes: int
+              ) -> dict[str, np.ndarray]:
+    """Per iteration: the raw quantities each column of the linear model multiplies."""
+    kv_per_token = model.kv_bytes_per_token(dtype_bytes)
+    f: dict[str, list[float]] = {k: [] for k in ("n", "T", "lin_c", "lin_m", "att_c", "att_m")}
+    for rec in iterations:
+        m = rec.modeled
+        t = rec.num_prefill_tokens + rec.num_decode_tokens
+        f["n"].append(len(rec.chunks))
+        f["T"].append(t)
+        f["lin_c"].append(m.matmul_flops / hw.peak_flops)
+        f["lin_m"].append(m.weight_bytes / hw.mem_bandwidth)
+        f["att_c"].append(m.attention_flops / hw.peak_flops)
+        kv = m.kv_read_bytes + m.kv_write_bytes
+        if not kv:  # an old record without modeled counts: recompute the KV bytes from the chunks
+            kv = kv_per_token * sum(c.context_len for c in rec.chunks)
+        f["att_m"].append(kv / hw.mem_bandwidth)
+    return {k: np.asarray(v, dtype=float) for k, v in f.items()}
+
+
+def _predict(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    o_iter, o_req, a, c, m, a_att = x
+    lin_c = f["lin_c"] * (a + c / np.maximum(f["T"], 1))
+    lin_m = f["lin_m"] * m
+    att_c = f["att_c"] * a_att
+    att_m = f["att_m"] * m
+    pred = o_iter + o_req * f["n"] + np.maximum(lin_c, lin_m) + np.maximum(att_c, att_m)
+    return pred, lin_c >= lin_m, att_c >= att_m
+
+
+def _design(f: dict[str, np.ndarray], lin_compute: np.ndarray, att_compute: np.ndarray) -> np.ndarray:
+    T = np.maximum(f["T"], 1)
+    return np.column_stack([
+        np.ones_like(T), f["n"],
+        np.where(lin_compute, f["lin_c"], 0.0), np.where(lin_compute, f["lin_c"] / T, 0.0),
+        np.where(lin_compute, 0.0, f["lin_m"]) + np.where(att_compute, 0.0, f["att_m"]),
+        np.where(att_compute, f["att_c"], 0.0),
+    ])
+
+
+def _to_x(p: CostParams, num_layers: int) -> np.ndarray:
+    return np.array([p.iteration_overhead_s + num_layers * p.layer_overhead_s, p.request_overhead_s,
+                     1 / p.compute_efficiency, p.rows_half / p.compute_efficiency,
+                     1 / p.memory_efficiency, 1 / p.attention_efficiency])
+
+
+def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model: ModelSpec, hw: HardwareSpec,
+               dtype_bytes: int, label: str, start: CostParams | None = None, max_rounds: int = 30,
+               weighting: str = "sqrt", fixed: dict[str, float] | None = None) -> Fit:
+    """Fit CostParams to (iteration, measured time) pairs (module docstring).
+
+    weighting: "sqrt" (default: each iteration's error / sqrt of its time), "relative" (/ its time:
+    short decode steps count as much as long prefills, but the fit then underestimates the total:
+    -21% on a run of this CPU) or "absolute" (seconds: long iterations dominate). `fixed` pins
+    coefficients of COLUMNS (e.g. {"m_mem": 1.0}: the measured bandwidth is what streaming reaches).
+    """
+    assert len(iterations) == len(measured_ns) and iterations, "nothing to fit"
+    assert weighting in ("relative", "sqrt", "absolute"), weighting
+    fixed = fixed or {}
+    f = _features(iterations, model, hw, dtype_bytes)
+    y = np.asarray(measured_ns, dtype=float) / 1e9
+    scale = {"relative": y, "sqrt": np.sqrt(y * y.mean()), "absolute": np.full_like(y, y.mean())}[weighting]
+    free = [i for i, name in enumerate(COLUMNS) if name not in fixed]
+    pinned = np.array([fixed.get(name, 0.0) for name in COLUMNS])
+    start = start or default_params(hw)
+    x = _to_x(start, model.num_layers)
+    x[[i for i in range(len(COLUMNS)) if i not in free]] = pinned[[i for i in range(len(COLUMNS)) if i not in free]]
+    best: tuple[float, np.ndarray] | None = None
+    seen = set()
+    for _ in range(max_rounds):
+        _, lin_compute, att_compute = _predict(x, f)
+        key = (lin_compute.tobytes(), att_compute.tobytes())
+        if key in seen:
+            break
+        seen.add(key)
+        a = _design(f, lin_compute, att_compute) / scale[:, None]
+        rhs = y / scale - a @ pinned
+        x_new = pinned.copy()
+        x_new[free] = nnls(a[:, free], rhs)
+        pred, _, _ = _predict(x_new, f)
+        sse = float((((pred - y) / scale) ** 2).sum())
+        if best is None or sse < best[0]:
+            best = (sse, x_new)
+        x = x_new
+    assert best is not None
+    x = best[1]
+    o_iter, o_req, a, c, m, a_att = (float(v) for v in x)
+    note = f"fitted on run {label} ({len(y)} iterations)"
+
+    def eff(inv: float, fallback: float) -> tuple[float, str]:
+        if inv > 0:
+            return 1 / inv, note
+        return fallback, f"fitted on run {label}: no iteration was bound by this term, kept at {fallback:g}"
+
+    e_max, s_e = eff(a, start.compute_efficiency)
+    e_mem, s_m = eff(m, start.memory_efficiency)
+    e_att, s_a = eff(a_att, start.attention_efficiency)
+    rows_half, s_r = (c * e_max, note) if a > 0 else (start.rows_half, f"fitted on run {label}: no iteration "
+                                                       f"was bound by GEMM compute, kept at {start.rows_half:g}")
+    params = CostParams(
+        compute_efficiency=e_max, rows_half=rows_half,
+        attention_efficiency=e_att, memory_efficiency=e_mem, iteration_overhead_s=o_iter, layer_overhead_s=0.0,
+        request_overhead_s=o_req, token_overhead_s=0.0, allreduce_latency_s=start.allreduce_latency_s,
+        sources={"compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
+                 "iteration_overhead_s": note + "; per-layer overheads folded in",
+                 "layer_overhead_s": f"folded into iteration_overhead_s (one model in run {label})",
+                 "request_overhead_s": note,
+                 "token_overhead_s": "not fitted: per-token time is the roofline's (it would absorb GEMM compute)",
+                 "allreduce_latency_s": start.source("allreduce_latency_s")})
+    # the error of what the simulator will predict with these parameters (a term the fit left at 0
+    # keeps its starting efficiency, which may bind where the fit's zero did not)
+    pred, _, _ = _predict(_to_x(params, model.num_layers), f)
+    return Fit(params, dict(zip(COLUMNS, (float(v) for v in x))), len(y), ((pred - y) / y).tolist(),
+               float(y.sum()), float(pred.sum()))
+
+
+def run_model(config: dict[str, Any]) -> tuple[ModelSpec, int]:
+    """The model and dtype bytes a run directory's config.json describes."""
+    mc = dict(config["model"]["config"])
+    mc["eos_token_ids"] = tuple(mc.get("eos_token_ids") or ())
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(config.get("dtype")), 2)
+    return ModelSpec.from_model_config(ModelConfig(**mc)), dtype_bytes
+
+
+def calibrate(path: str | PathLike[str], hardware: str = "cpu", weighting: str = "sqrt") -> tuple[Fit, HardwareSpec]:
+    data = read_run_dir(path)
+    if data.config.get("simulated"):
+        raise ValueError(f"{path} is a simulated run; calibrate on a real one")
+    model, dtype_bytes = run_model(data.config)
+    hw = get_hardware(hardware)
+    iters = sorted(data.iterations, key=lambda r: r.start_ns)
+    if not iters:
+        raise ValueError(f"{path} has no iterations to fit")
+    return fit_params(iters, iteration_cycles(iters), model, hw, dtype_bytes, str(path), weighting=weighting), hw
+
+
+def write_params(fit: Fit, hw: HardwareSpec, out: str) -> None:
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(fit.to_json(hw), f, indent=2)
+        f.write("\n")

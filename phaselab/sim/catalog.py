@@ -1,0 +1,314 @@
+"""Catalogs of the simulator: accelerators, links and models, each figure with its source.
+
+    HardwareSpec  one accelerator (or this CPU): peak dense FLOP/s, memory bandwidth, memory size,
+                  the link its tensor-parallel group uses, and the default cost parameters
+    LinkSpec      one interconnect: bandwidth per direction, latency, whether it scales with GPUs
+    ModelSpec     what the cost and KV models need of an architecture (Llama family, OPT, any
+                  Hugging Face config.json): layers, widths, heads, KV heads, MLP shape, biases
+
+Every number carries where it came from in `sources` (field name -> "datasheet: ...",
+"measured: ...", "fitted on run ...", "default: ..."); `source_of(spec, field)` reads it, and a
+field without an entry is a "default". Plain data, no I/O: `model_from_hf_config` takes the dict,
+not the file.
+
+Units: bytes, bytes per second, FLOP per second, seconds. "GB" in a source string means 10^9
+bytes, "GiB" 2^30.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from phaselab.errors import ConfigError, UnsupportedModelError
+from phaselab.model.config import ModelConfig
+
+GiB = 2**30
+
+
+def source_of(spec: Any, name: str) -> str:
+    """Where the value of field `name` of a catalog entry came from."""
+    return getattr(spec, "sources", {}).get(name, "default")
+
+
+# -- links -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinkSpec:
+    name: str
+    bandwidth: float = field(metadata={"help": "bytes/s per direction of one port"})
+    latency_s: float = field(metadata={"help": "one-way latency of a message, software stack included"})
+    per_gpu: bool = field(default=True, metadata={
+        "help": "each GPU of an instance has its own port (NVLink, PCIe, GPUDirect InfiniBand): an instance "
+                "of tp GPUs moves tp x bandwidth; False: one port per instance (a host's Ethernet NIC)"})
+    description: str = ""
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+def _link(name: str, gbps_bytes: float, latency_s: float, per_gpu: bool, description: str,
+          bw_source: str, lat_source: str) -> LinkSpec:
+    return LinkSpec(name, gbps_bytes * 1e9, latency_s, per_gpu, description,
+                    {"bandwidth": bw_source, "latency_s": lat_source})
+
+
+LINKS: dict[str, LinkSpec] = {link.name: link for link in (
+    _link("nvlink3", 300, 3e-6, True, "NVLink 3 (A100): 12 links x 50 GB/s = 600 GB/s per GPU, both directions",
+          "datasheet: NVIDIA A100, 600 GB/s bidirectional per GPU -> 300 GB/s per direction",
+          "default: NVLink + NCCL small-message latency, order of magnitude"),
+    _link("nvlink4", 450, 3e-6, True, "NVLink 4 (H100/H200): 18 links, 900 GB/s per GPU, both directions",
+          "datasheet: NVIDIA H100 SXM, 900 GB/s bidirectional per GPU -> 450 GB/s per direction",
+          "default: NVLink + NCCL small-message latency, order of magnitude"),
+    _link("pcie4", 32, 2e-6, True, "PCIe 4.0 x16",
+          "datasheet: PCIe 4.0 x16, 16 GT/s x 16 lanes = ~32 GB/s per direction",
+          "default: PCIe round trip ~1-2 us"),
+    _link("pcie5", 64, 2e-6, True, "PCIe 5.0 x16",
+          "datasheet: PCIe 5.0 x16, 32 GT/s x 16 lanes = ~64 GB/s per direction",
+          "default: PCIe round trip ~1-2 us"),
+    _link("ib-hdr", 25, 5e-6, True, "InfiniBand HDR, one 200 Gb/s NIC per GPU (GPUDirect RDMA)",
+          "datasheet: HDR 200 Gb/s = 25 GB/s per direction", "default: RDMA verbs ~1-2 us + software"),
+    _link("ib-ndr", 50, 5e-6, True, "InfiniBand NDR, one 400 Gb/s NIC per GPU (GPUDirect RDMA)",
+          "datasheet: NDR 400 Gb/s = 50 GB/s per direction", "default: RDMA verbs ~1-2 us + software"),
+    _link("25gbe", 3.125, 50e-6, False, "25 Gb/s Ethernet, one NIC per instance (TCP)",
+          "datasheet: 25 Gb/s = 3.125 GB/s per direction", "default: TCP within a rack, tens of us"),
+    _link("100gbe", 12.5, 30e-6, False, "100 Gb/s Ethernet, one NIC per instance (TCP)",
+          "datasheet: 100 Gb/s = 12.5 GB/s per direction", "default: TCP within a rack, tens of us"),
+)}
+
+
+# -- hardware --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    peak_flops: float = field(metadata={"help": "dense bf16/fp16 tensor FLOP/s of one device (no sparsity)"})
+    mem_bandwidth: float = field(metadata={"help": "device memory bandwidth, bytes/s"})
+    memory_bytes: int = field(metadata={"help": "device memory, bytes"})
+    tp_link: str = field(default="nvlink4", metadata={"help": "LINKS entry of the tensor-parallel group"})
+    description: str = ""
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+
+HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
+    HardwareSpec("a100", 312e12, 2.039e12, 80 * GiB, "nvlink3", "NVIDIA A100 80GB SXM", {
+        "peak_flops": "datasheet: A100 SXM, 312 TFLOPS dense BF16 tensor core",
+        "mem_bandwidth": "datasheet: A100 80GB SXM, 2,039 GB/s HBM2e",
+        "memory_bytes": "datasheet: 80 GB HBM2e (81920 MiB as nvidia-smi reports it)"}),
+    HardwareSpec("h100", 989.4e12, 3.35e12, 80 * 10**9, "nvlink4", "NVIDIA H100 SXM5 80GB", {
+        "peak_flops": "datasheet: H100 SXM, 989 TFLOPS dense BF16 (1,979 with sparsity)",
+        "mem_bandwidth": "datasheet: H100 SXM, 3.35 TB/s HBM3",
+        "memory_bytes": "datasheet: 80 GB HBM3"}),
+    HardwareSpec("h200", 989.4e12, 4.8e12, 141 * 10**9, "nvlink4", "NVIDIA H200 SXM 141GB", {
+        "peak_flops": "datasheet: H200 SXM, 989 TFLOPS dense BF16 (same compute as H100 SXM)",
+        "mem_bandwidth": "datasheet: H200, 4.8 TB/s HBM3e",
+        "memory_bytes": "datasheet: 141 GB HBM3e"}),
+    # This machine: 2 cores of an Intel Xeon (Sapphire Rapids family, AVX512-BF16, no AMX exposed).
+    # Figures from `python benchmarks/roofline.py --quick` on it; `phaselab simulate calibrate` fits
+    # the efficiencies and overheads of a real run against them.
+    HardwareSpec("cpu", 63e9, 9.1e9, 23 * GiB, "pcie4", "this CPU (2 cores), as measured", {
+        "peak_flops": "measured: benchmarks/roofline.py --quick, bf16 layer-mix GEMM at 512 rows, 63 GFLOP/s",
+        "mem_bandwidth": "measured: benchmarks/roofline.py --quick, read bandwidth of a 256 MiB array, 9.1 GB/s",
+        "memory_bytes": "measured: free -g, 23 GiB",
+        "tp_link": "default: unused (one device)"}),
+)}
+HARDWARE_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200", "this-cpu": "cpu"}
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    return _lookup(HARDWARE, HARDWARE_ALIASES, name, "hardware")
+
+
+def get_link(name: str) -> LinkSpec:
+    return _lookup(LINKS, {"nvlink": "nvlink4", "ib": "ib-ndr", "infiniband": "ib-ndr", "ethernet": "25gbe"},
+                   name, "link")
+
+
+def _lookup(table: dict[str, Any], aliases: dict[str, str], name: str, kind: str) -> Any:
+    key = name.strip().lower()
+    key = aliases.get(key, key)
+    if key in table:
+        return table[key]
+    close = difflib.get_close_matches(key, list(table), n=3)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ConfigError(f"unknown {kind} {name!r}{hint}; the catalog has {', '.join(sorted(table))}")
+
+
+# -- models ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the cost and KV models need of a decoder-only transformer.
+
+    Llama family (Llama 2/3, Mistral, Yi, Qwen2): gated MLP (gate, up, down: 3 matrices), RMSNorm,
+    RoPE, grouped-query attention. OPT: multi-head attention (kv heads = heads), plain MLP (fc1,
+    fc2: 2 matrices, ReLU), LayerNorm with bias, biases on every linear layer, learned absolute
+    positions (a table of max_position_embeddings + 2 rows), tied embeddings.
+    """
+
+    name: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    mlp_matrices: int = 3  # 3: gated (gate, up, down); 2: plain (fc1, fc2)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # q/k/v carry a bias (Qwen2)
+    linear_bias: bool = False  # every linear layer carries a bias (OPT)
+    norm: str = "rms"  # "rms" (weight) | "layer" (weight + bias)
+    learned_position_rows: int = 0  # rows of a learned position table (OPT: max positions + 2); 0: RoPE
+    max_position_embeddings: int = 4096
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V of one token over all layers: 2 x layers x kv_heads x head_dim x bytes."""
+        return 2 * self.num_layers * self.kv_size * dtype_bytes
+
+    def kv_bytes_per_token_per_gpu(self, dtype_bytes: int, tp: int) -> int:
+        """Under tensor parallelism the KV heads split over the GPUs; with fewer KV heads than
+        GPUs each head is replicated (vLLM's rule), so a GPU holds at least one."""
+        heads = max(1, self.num_kv_heads // tp)
+        return 2 * self.num_layers * heads * self.head_dim * dtype_bytes
+
+    def linear_macs_per_token_per_layer(self) -> int:
+        """Multiply-accumulates of one token through one layer's projections."""
+        h = self.hidden_size
+        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_matrices * h * self.intermediate_size
+
+    def num_parameters(self) -> int:
+        h, i = self.hidden_size, self.intermediate_size
+        norm = h if self.norm == "rms" else 2 * h
+        per_layer = self.linear_macs_per_token_per_layer() + 2 * norm
+        if self.linear_bias:
+            per_layer += self.q_size + 2 * self.kv_size + h + (self.mlp_matrices - 1) * i + h
+        elif self.qkv_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        emb = self.vocab_size * h
+        return (self.num_layers * per_layer + emb + (0 if self.tie_word_embeddings else emb)
+                + self.learned_position_rows * h + norm)
+
+    def weight_bytes(self, dtype_bytes: int = 2) -> int:
+        return self.num_parameters() * dtype_bytes
+
+    def describe(self) -> str:
+        attn = "MHA" if self.num_kv_heads == self.num_heads else f"GQA {self.num_heads}/{self.num_kv_heads}"
+        return (f"{self.name}: {self.num_parameters() / 1e9:.2f}B parameters, {self.num_layers} layers, hidden "
+                f"{self.hidden_size}, {attn} x {self.head_dim}, "
+                f"{'gated ' if self.mlp_matrices == 3 else ''}MLP {self.intermediate_size}, vocab {self.vocab_size}")
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig, name: str | None = None) -> ModelSpec:
+        """The spec of a model the engine runs (counts agree with phaselab.obs.cost)."""
+        return cls(
+            name=name or config.name or config.architecture, architecture=config.architecture,
+            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+            head_dim=config.head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+            tie_word_embeddings=config.tie_word_embeddings, qkv_bias=config.attention_bias,
+            max_position_embeddings=config.max_position_embeddings,
+            sources={"*": "the engine's ModelConfig"},
+        )
+
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "yi", "gemma", "internlm2", "deepseek")
+
+
+def model_from_hf_config(d: dict[str, Any], name: str = "") -> ModelSpec:
+    """A ModelSpec from a Hugging Face config.json dict: OPT, the Llama family, and any decoder
+    whose config names hidden_size / num_hidden_layers / num_attention_heads /
+    intermediate_size (a gated MLP is assumed then, and said so in `sources`)."""
+    model_type = str(d.get("model_type", "")).lower()
+    archs = d.get("architectures") or []
+    name = name or d.get("_name_or_path") or model_type or "model"
+    source = f"config.json of {name}"
+    try:
+        if model_type == "opt" or any(a.startswith("OPT") for a in archs):
+            h = int(d["hidden_size"])
+            heads = int(d["num_attention_heads"])
+            if int(d.get("word_embed_proj_dim", h)) != h:
+                source += " (word_embed_proj_dim differs: its small projections are not counted)"
+            max_pos = int(d.get("max_position_embeddings", 2048))
+            return ModelSpec(
+                name=name, architecture="opt", num_layers=int(d["num_hidden_layers"]), hidden_size=h,
+                num_heads=heads, num_kv_heads=heads, head_dim=h // heads, intermediate_size=int(d["ffn_dim"]),
+                vocab_size=int(d["vocab_size"]), mlp_matrices=2,
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
+                linear_bias=bool(d.get("enable_bias", True)), norm="layer", learned_position_rows=max_pos + 2,
+                max_position_embeddings=max_pos, sources={"*": source})
+        h = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        known = model_type in LLAMA_FAMILY or any(a.endswith("ForCausalLM") and a.lower().startswith(LLAMA_FAMILY)
+                                                  for a in archs)
+        if not known:
+            source += f" (model_type {model_type!r} not in the catalog's families: gated MLP and RMSNorm assumed)"
+        return ModelSpec(
+            name=name, architecture=model_type or "llama", num_layers=int(d["num_hidden_layers"]), hidden_size=h,
+            num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or h // heads), intermediate_size=int(d["intermediate_size"]),
+            vocab_size=int(d["vocab_size"]), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)), sources={"*": source})
+    except KeyError as e:
+        raise UnsupportedModelError(
+            f"config.json of {name!r} lacks {e.args[0]!r}; the simulator needs hidden_size, num_hidden_layers, "
+            "num_attention_heads and intermediate_size (or ffn_dim)") from None
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, max_pos: int,
+           source: str, tie: bool = False, qkv_bias: bool = False, arch: str = "llama") -> ModelSpec:
+    return ModelSpec(name, arch, layers, hidden, heads, kv_heads, hidden // heads, inter, vocab,
+                     tie_word_embeddings=tie, qkv_bias=qkv_bias, max_position_embeddings=max_pos,
+                     sources={"*": source})
+
+
+def _opt(name: str, layers: int, hidden: int, heads: int, vocab: int = 50272) -> ModelSpec:
+    return ModelSpec(name, "opt", layers, hidden, heads, heads, hidden // heads, 4 * hidden, vocab, mlp_matrices=2,
+                     tie_word_embeddings=True, linear_bias=True, norm="layer", learned_position_rows=2050,
+                     max_position_embeddings=2048, sources={"*": f"config.json of facebook/{name}"})
+
+
+MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+    _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, "config.json of meta-llama/Meta-Llama-3-8B"),
+    _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, "config.json of meta-llama/Meta-Llama-3-70B"),
+    _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, "config.json of meta-llama/Llama-2-70b-hf"),
+    _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32000, 32768, "config.json of mistralai/Mistral-7B-v0.1",
+           arch="mistral"),
+    _llama("yi-34b", 60, 7168, 56, 8, 20480, 64000, 4096, "config.json of 01-ai/Yi-34B"),
+    _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, 32768, "config.json of Qwen/Qwen2-7B", qkv_bias=True,
+           arch="qwen2"),
+    _llama("qwen2-72b", 80, 8192, 64, 8, 29568, 152064, 32768, "config.json of Qwen/Qwen2-72B", qkv_bias=True,
+           arch="qwen2"),
+    _llama("smollm2-135m", 30, 576, 9, 3, 1536, 49152, 8192, "config.json of HuggingFaceTB/SmolLM2-135M-Instruct "
+           "(the bundled model)", tie=True),
+    _opt("opt-13b", 40, 5120, 40),
+    _opt("opt-66b", 64, 9216, 72),
+    _opt("opt-175b", 96, 12288, 96),
+)}
+
+
+def get_model(name: str) -> ModelSpec:
+    return _lookup(MODELS, {"llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b", "llama2-70b": "llama-2-70b",
+                            "yi-34": "yi-34b", "qwen2-72": "qwen2-72b"}, name, "model")
+
+
+def with_sources(spec: Any, **sources: str) -> Any:
+    """A copy of a catalog entry with more source notes (e.g. after calibration)."""
+    return replace(spec, sources={**spec.sources, **sources})
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / GiB
+

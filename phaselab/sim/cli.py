@@ -1,0 +1,400 @@
+"""`phaselab simulate`: run, replay, calibrate and search simulated deployments (docs/simulator.md).
+
+    phaselab simulate run --model llama-3-70b --hardware h100 --mode disagg --prefill-workers 2 \\
+        --decode-workers 2 --tp-prefill 4 --tp-decode 4 --transfer-link 25gbe --request-rate 4 --out DIR
+    phaselab simulate replay RUN_DIR            the real run's iteration times in, its plans compared
+    phaselab simulate calibrate RUN_DIR --out cpu.json
+    phaselab simulate search --model llama-3-8b --hardware h100 --max-gpus 8 --ttft-slo 0.5 --tpot-slo 0.05
+    phaselab simulate catalog                   hardware, links and models with their sources
+
+Wired into `phaselab` by cli.py: `add_simulate_parser(sub)` and `run_simulate(ns)`. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from phaselab.errors import ConfigError
+from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, ModelSpec, get_hardware, get_model, model_from_hf_config
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
+
+
+def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "simulate", help="simulate deployments with the engine's own scheduler on a virtual clock (docs/simulator.md)",
+        description="Simulate GPU deployments (colocated replicas or disaggregated prefill/decode pools) with "
+                    "phaselab's own scheduler and router on a virtual clock and a per-iteration cost model; "
+                    "writes the same run directory as a real run.")
+    sub = p.add_subparsers(dest="sim_command", required=True, metavar="SUBCOMMAND")
+
+    run = sub.add_parser("run", help="simulate one deployment under one workload",
+                         description="Simulate one deployment under one workload; print a summary and optionally "
+                                     "write a run directory (--out) that diagnose, timeline and compare read.")
+    _add_deployment_args(run)
+    _add_workload_args(run)
+    run.add_argument("--out", metavar="DIR", default=None, help="write the run directory here")
+    run.add_argument("--result-json", default=None, help="write the summary JSON here")
+    run.add_argument("--no-iterations", action="store_true",
+                     help="keep no iteration records (faster, smaller; the run directory has no iterations)")
+
+    rp = sub.add_parser("replay", help="replay a real run's measured iteration times; compare the plans",
+                        description="Feed the simulator the measured iteration times of a real run: its scheduler "
+                                    "must take the same decisions, iteration by iteration.")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--out", metavar="DIR", default=None, help="write the replayed run directory here")
+
+    cal = sub.add_parser("calibrate", help="fit efficiencies and overheads to a real run's iteration log",
+                         description="Fit the cost model's efficiencies and overheads to a real run (measured "
+                                     "iteration times vs the plans' FLOPs and bytes, least squares) and report the "
+                                     "fit error.")
+    cal.add_argument("run_dir", metavar="RUN_DIR")
+    cal.add_argument("--hardware", default="cpu", help="catalog entry the run ran on (default: %(default)s)")
+    cal.add_argument("--out", default=None, help="write the fitted parameters (JSON, with sources) here")
+    cal.add_argument("--weighting", default="sqrt", choices=["sqrt", "relative", "absolute"],
+                     help="least-squares weight of each iteration's error: 1/sqrt(time), 1/time or 1 "
+                          "(default: %(default)s)")
+
+    se = sub.add_parser("search", help="find the deployment with the best goodput (or capacity) per GPU",
+                        description="Search deployments (prefill:decode ratio, tensor parallelism per phase, chunk "
+                                    "budget, policy) for the highest goodput per GPU under TTFT and TPOT SLOs at an "
+                                    "attainment (DistServe), or the highest capacity under a P99 time-between-tokens "
+                                    "SLO (Sarathi-Serve).")
+    _add_model_args(se)
+    se.add_argument("--max-gpus", type=int, default=8, help="GPUs of one deployment unit (default: %(default)s)")
+    se.add_argument("--modes", default="colocated,disagg", help="(default: %(default)s)")
+    se.add_argument("--tps", default="1,2,4,8", help="tensor parallelism to try (default: %(default)s)")
+    se.add_argument("--budgets", default="512,2048", help="token budgets to try (default: %(default)s)")
+    se.add_argument("--policies", default="chunked,prefill-first", help="colocated policies (default: %(default)s)")
+    se.add_argument("--max-pool", type=int, default=4, help="most engines per disagg pool (default: %(default)s)")
+    se.add_argument("--transfer-link", default=None, help="disagg KV link (default: the hardware's NVLink)")
+    se.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
+    se.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"])
+    g = se.add_argument_group("SLO")
+    g.add_argument("--objective", default="goodput", choices=["goodput", "capacity"],
+                   help="goodput: DistServe's (TTFT and TPOT SLOs at an attainment); capacity: Sarathi-Serve's "
+                        "(P99 time between tokens) (default: %(default)s)")
+    g.add_argument("--ttft-slo", type=float, default=1.0, help="seconds (default: %(default)s)")
+    g.add_argument("--tpot-slo", type=float, default=0.1, help="seconds (default: %(default)s)")
+    g.add_argument("--attainment", type=float, default=0.9, help="(default: %(default)s)")
+    g.add_argument("--tbt-slo", type=float, default=0.1, help="P99 time between tokens, seconds (default: %(default)s)")
+    g.add_argument("--max-queue", type=float, default=2.0, help="capacity: median scheduling delay bound, s")
+    w = se.add_argument_group("workload (random, Poisson)")
+    w.add_argument("--num-prompts", type=int, default=300, help="requests per simulation (default: %(default)s)")
+    w.add_argument("--input-len", default="uniform:256:1024", help="(default: %(default)s)")
+    w.add_argument("--output-len", default="uniform:64:256", help="(default: %(default)s)")
+    w.add_argument("--burstiness", type=float, default=1.0)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--bisections", type=int, default=6, help="rate bisection steps (default: %(default)s)")
+    se.add_argument("--result-json", default=None, help="write the ranked candidates here")
+
+    sub.add_parser("catalog", help="list hardware, links and models with their sources")
+    return p
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model and hardware")
+    m.add_argument("--model", default="llama-3-8b",
+                   help=f"catalog name ({', '.join(MODELS)}) or a Hugging Face config.json / model directory "
+                        "(default: %(default)s)")
+    m.add_argument("--hardware", default="h100", help=f"{', '.join(HARDWARE)} (default: %(default)s)")
+    m.add_argument("--params", default=None, help="cost parameters JSON (from `simulate calibrate`)")
+    m.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
+                   help="weights and KV (default: %(default)s)")
+    m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    m.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+    _add_model_args(p)
+    d = p.add_argument_group("deployment")
+    d.add_argument("--mode", default="colocated", choices=["colocated", "disagg"])
+    d.add_argument("--replicas", type=int, default=1, help="colocated engines (default: %(default)s)")
+    d.add_argument("--tp", type=int, default=1, help="colocated: GPUs per engine (default: %(default)s)")
+    d.add_argument("--prefill-workers", type=int, default=1)
+    d.add_argument("--decode-workers", type=int, default=1)
+    d.add_argument("--tp-prefill", type=int, default=1)
+    d.add_argument("--tp-decode", type=int, default=1)
+    d.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"],
+                   help="colocated and prefill engines (default: %(default)s)")
+    d.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per iteration")
+    d.add_argument("--max-num-seqs", type=int, default=256)
+    d.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    d.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: from memory)")
+    d.add_argument("--block-size", type=int, default=16)
+    d.add_argument("--no-prefix-caching", action="store_true")
+    d.add_argument("--tp-link", default=None, help=f"{', '.join(LINKS)} (default: the hardware's)")
+    d.add_argument("--transfer-link", default=None, help="disagg KV transfer link (default: the TP link)")
+    d.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
+    d.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"],
+                   help="disagg: the prefill side streams the first token (phaselab's router), or the decode "
+                        "side once the KV arrived (default: %(default)s)")
+    d.add_argument("--routing-policy", default="least-outstanding", choices=["least-outstanding", "round-robin"])
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload (phaselab bench's generators and seeds)")
+    w.add_argument("--workload", default="random", choices=["random", "shared-prefix", "interference", "trace"])
+    w.add_argument("--num-prompts", type=int, default=1000)
+    w.add_argument("--input-len", default="512",
+                   help="length spec: N, uniform:LO:HI, normal:M:S, lognormal:M:S, choice:A,B")
+    w.add_argument("--output-len", default="128")
+    w.add_argument("--num-prefix-groups", type=int, default=4)
+    w.add_argument("--prefix-len", type=int, default=512)
+    w.add_argument("--suffix-len", default="64")
+    w.add_argument("--num-streams", type=int, default=4)
+    w.add_argument("--stream-input-len", type=int, default=64)
+    w.add_argument("--stream-output-len", type=int, default=256)
+    w.add_argument("--num-long-prompts", type=int, default=3)
+    w.add_argument("--long-input-len", type=int, default=1024)
+    w.add_argument("--long-output-len", type=int, default=8)
+    w.add_argument("--long-start", type=float, default=2.0)
+    w.add_argument("--long-interval", type=float, default=2.0)
+    w.add_argument("--trace", default=None, help="JSONL trace (arrival, input and output token counts)")
+    w.add_argument("--time-scale", type=float, default=1.0)
+    w.add_argument("--tokenizer", default=None,
+                   help="build the bench's exact prompts with this tokenizer ('bundled', a .gguf, an HF directory or "
+                        "tokenizer.json) and simulate their token ids (prefix hits of real text included); "
+                        "default: token counts only")
+    w.add_argument("--endpoint", default="chat", choices=["chat", "completions"],
+                   help="with --tokenizer: count prompt tokens as the bench's endpoint does (default: %(default)s)")
+    a = p.add_argument_group("arrivals")
+    a.add_argument("--request-rate", type=float, default=math.inf, help="open loop, req/s (default: inf, all at once)")
+    a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1 = Poisson")
+    a.add_argument("--concurrency", type=int, default=None, help="closed loop: N users")
+    a.add_argument("--seed", type=int, default=0)
+
+
+# -- building blocks from arguments -------------------------------------------------------------------------
+def resolve_model(name: str) -> ModelSpec:
+    path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return model_from_hf_config(json.load(f), name=os.path.basename(os.path.dirname(os.path.abspath(path))))
+    return get_model(name)
+
+
+def build_deployment(ns: argparse.Namespace) -> Any:
+    from phaselab.sim.cost import CostParams
+    from phaselab.sim.deployment import Deployment, RoleConfig
+
+    params = CostParams.load(ns.params) if ns.params else None
+    common = dict(policy=ns.policy, max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+                  long_prefill_token_threshold=ns.long_prefill_token_threshold, num_blocks=ns.num_blocks)
+    return Deployment(
+        resolve_model(ns.model), get_hardware(ns.hardware), ns.mode, num_replicas=ns.replicas,
+        num_prefill=ns.prefill_workers, num_decode=ns.decode_workers,
+        colocated=RoleConfig(tp=ns.tp, **common), prefill=RoleConfig(tp=ns.tp_prefill, **common),
+        decode=RoleConfig(tp=ns.tp_decode, max_num_seqs=ns.max_num_seqs, num_blocks=ns.num_blocks),
+        dtype_bytes=DTYPE_BYTES[ns.dtype], block_size=ns.block_size, enable_prefix_caching=not ns.no_prefix_caching,
+        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization, tp_link=ns.tp_link,
+        transfer_link=ns.transfer_link, transfer_mode=ns.transfer_mode, first_token_from=ns.first_token_from,
+        routing_policy=ns.routing_policy, params=params)
+
+
+def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, Any]]:
+    from phaselab.bench.workloads import InterferenceParams
+    from phaselab.sim.workload import (
+        ArrivalSpec, interference_requests, random_requests, shared_prefix_requests, trace_requests,
+    )
+
+    self_timed = ns.workload in ("interference", "trace")
+    if self_timed and (ns.concurrency is not None or not math.isinf(ns.request_rate)):
+        raise ConfigError(f"the {ns.workload} workload carries its own arrival times; "
+                          "drop --request-rate/--concurrency")
+    arrivals = ArrivalSpec(request_rate=ns.request_rate, burstiness=ns.burstiness, concurrency=ns.concurrency,
+                           self_timed=self_timed)
+    info: dict[str, Any] = {"kind": ns.workload, "seed": ns.seed}
+    if ns.tokenizer:
+        return exact_workload(ns, arrivals), arrivals, {**info, "tokenizer": ns.tokenizer, "endpoint": ns.endpoint}
+    if ns.workload == "random":
+        reqs = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, arrivals)
+        info |= {"input_len": ns.input_len, "output_len": ns.output_len}
+    elif ns.workload == "shared-prefix":
+        reqs = shared_prefix_requests(ns.num_prompts, ns.num_prefix_groups, ns.prefix_len, ns.suffix_len,
+                                      ns.output_len, ns.seed, arrivals)
+        info |= {"num_prefix_groups": ns.num_prefix_groups, "prefix_len": ns.prefix_len, "suffix_len": ns.suffix_len}
+    elif ns.workload == "interference":
+        params = InterferenceParams(ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts,
+                                    ns.long_input_len, ns.long_output_len, ns.long_start, ns.long_interval)
+        reqs = interference_requests(params)
+        info |= {"params": dataclasses.asdict(params)}
+    else:
+        if not ns.trace:
+            raise ConfigError("--workload trace needs --trace FILE")
+        reqs = trace_requests(ns.trace, ns.num_prompts, ns.time_scale)
+        info |= {"trace": ns.trace, "time_scale": ns.time_scale}
+    return reqs, arrivals, info
+
+
+def exact_workload(ns: argparse.Namespace, arrivals: Any) -> list[Any]:
+    """The bench's own requests for these options and seed (its build_workload, its prompt builder),
+    tokenized as its endpoint counts them, with its arrival times."""
+    import numpy as np
+
+    from phaselab.bench.arrivals import arrival_offsets
+    from phaselab.bench.cli import build_workload as bench_workload
+    from phaselab.bench.workloads import PromptBuilder, load_bench_tokenizer
+    from phaselab.sim.workload import from_bench_specs
+
+    builder = PromptBuilder(load_bench_tokenizer(None if ns.tokenizer == "bundled" else ns.tokenizer), ns.endpoint)
+    seeds = np.random.SeedSequence(ns.seed).spawn(2)  # as phaselab bench: [0] workload, [1] arrivals
+    bench_ns = argparse.Namespace(**{**vars(ns), "num_warmups": 0})
+    specs, _ = bench_workload(bench_ns, builder, np.random.default_rng(seeds[0]))
+    ids = [builder.ids(spec.prompt) for spec in specs]
+    if arrivals.self_timed:
+        offsets = [(spec.arrival_s or 0.0) * ns.time_scale for spec in specs]
+    elif arrivals.concurrency is None:
+        offsets = arrival_offsets(len(specs), arrivals.request_rate, arrivals.burstiness,
+                                  np.random.default_rng(np.random.SeedSequence(ns.seed).spawn(2)[1]))
+    else:
+        offsets = None
+    return from_bench_specs(specs, ids, offsets)
+
+
+# -- commands -------------------------------------------------------------------------------------------
+def run_simulate(ns: argparse.Namespace) -> int:
+    try:
+        return {"run": _cmd_run, "replay": _cmd_replay, "calibrate": _cmd_calibrate, "search": _cmd_search,
+                "catalog": _cmd_catalog}[ns.sim_command](ns)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"phaselab simulate: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _cmd_run(ns: argparse.Namespace) -> int:
+    from phaselab.sim.loop import simulate
+    from phaselab.sim.report import format_summary, summarize
+
+    d = build_deployment(ns)
+    reqs, arrivals, info = build_workload(ns)
+    print(f"simulating {len(reqs)} requests ({arrivals.describe()}) on {d.describe()}", file=sys.stderr)
+    kib = d.model.kv_bytes_per_token(d.dtype_bytes) / 2**10
+    print(f"  {d.model.describe()}; KV {kib:.0f} KiB/token", file=sys.stderr)
+    result = simulate(d, reqs, arrivals, record_iterations=not ns.no_iterations, workload_info=info)
+    summary = summarize(result.requests)
+    print(f"simulated {result.sim_duration_s:.2f} s in {result.wall_s:.2f} s ({result.num_events} events, "
+          f"{sum(w['num_iterations'] for w in result.worker_stats)} iterations)")
+    print(format_summary(summary), end="")
+    for w in result.worker_stats:
+        print(f"  {w['worker']:<12} {w['role']:<9} TP{w['tp']}  busy {w['busy_fraction']:.0%}  "
+              f"{w['num_iterations']} iterations, {w['num_preemptions']} preemptions")
+    if ns.out:
+        result.write(ns.out)
+        print(f"run directory written to {ns.out} (config.json marked simulated)", file=sys.stderr)
+    if ns.result_json:
+        _write_json(ns.result_json, {"deployment": d.to_json(), "summary": summary, "workers": result.worker_stats,
+                                     "wall_s": result.wall_s})
+    return 0
+
+
+def _cmd_replay(ns: argparse.Namespace) -> int:
+    from phaselab.sim.replay import replay
+
+    r = replay(ns.run_dir)
+    print(r.describe())
+    for note in r.notes:
+        print(f"  note: {note}")
+    if ns.out:
+        r.result.write(ns.out)
+    return 0 if r.identical else 1
+
+
+def _cmd_calibrate(ns: argparse.Namespace) -> int:
+    from phaselab.sim.calibrate import calibrate, write_params
+
+    fit, hw = calibrate(ns.run_dir, ns.hardware, ns.weighting)
+    s = fit.summary()
+    print(f"fitted on {s['num_iterations']} iterations of {ns.run_dir} against {hw.name} "
+          f"(peak {hw.peak_flops / 1e9:.0f} GFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s)")
+    print(f"  fit error per iteration: |rel| mean {s['relative_error_abs_mean']:.1%}, p50 "
+          f"{s['relative_error_abs_p50']:.1%}, p90 {s['relative_error_abs_p90']:.1%}, p99 "
+          f"{s['relative_error_abs_p99']:.1%}; RMS {s['relative_error_rms']:.1%}; total time "
+          f"{s['total_time_error']:+.1%}")
+    for k, v in fit.params.to_json().items():
+        if k != "sources":
+            print(f"  {k:<22} {v:.6g}   ({fit.params.source(k)})")
+    if ns.out:
+        write_params(fit, hw, ns.out)
+        print(f"parameters written to {ns.out}; use them with --hardware {hw.name} --params {ns.out}")
+    return 0
+
+
+def _cmd_search(ns: argparse.Namespace) -> int:
+    from phaselab.sim.cost import CostParams
+    from phaselab.sim.search import SLO, candidates, random_workload_at, search
+
+    slo = SLO(ns.objective, ns.ttft_slo, ns.tpot_slo, ns.attainment, ns.tbt_slo, ns.max_queue)
+    model, hw = resolve_model(ns.model), get_hardware(ns.hardware)
+    params = CostParams.load(ns.params) if ns.params else None
+    base = dict(dtype_bytes=DTYPE_BYTES[ns.dtype], gpu_memory_utilization=ns.gpu_memory_utilization,
+                max_model_len=ns.max_model_len, transfer_link=ns.transfer_link, transfer_mode=ns.transfer_mode,
+                first_token_from=ns.first_token_from)
+    deps = candidates(model, hw, ns.max_gpus, _csv(ns.modes, str), _csv(ns.tps, int), _csv(ns.budgets, int),
+                      _csv(ns.policies, str), ns.max_pool, params, base)
+    print(f"objective: {slo.definition()}")
+    print(f"searching {len(deps)} deployments of {model.name} on {hw.name} (<= {ns.max_gpus} GPUs), "
+          f"{ns.num_prompts} requests per simulation", file=sys.stderr)
+    workload = random_workload_at(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, ns.burstiness)
+
+    def progress(i: int, n: int, c: Any) -> None:
+        print(f"  [{i}/{n}] {c.deployment.describe()}: {c.rate:.3g} req/s = {c.per_gpu:.3g} req/s/GPU",
+              file=sys.stderr)
+
+    result = search(deps, workload, slo, num_bisections=ns.bisections, progress=progress)
+    print(f"{'rank':>4}  {'req/s/GPU':>10}  {'req/s':>8}  deployment")
+    for i, c in enumerate(result.ranked()[:15], start=1):
+        print(f"{i:>4}  {c.per_gpu:>10.3g}  {c.rate:>8.3g}  {c.deployment.describe()}"
+              + (f"  ({c.error})" if c.error else ""))
+    best = result.best
+    print(f"best: {best.deployment.describe()}, {best.per_gpu:.3g} req/s per GPU" if best
+          else "no deployment met the SLO")
+    if ns.result_json:
+        _write_json(ns.result_json, result.to_json())
+    return 0 if best else 1
+
+
+def _cmd_catalog(ns: argparse.Namespace) -> int:
+    from phaselab.sim.catalog import source_of
+
+    print("hardware:")
+    for h in HARDWARE.values():
+        print(f"  {h.name:<6} {h.description}: {h.peak_flops / 1e12:g} TFLOP/s, {h.mem_bandwidth / 1e12:g} TB/s, "
+              f"{h.memory_bytes / GiB:.0f} GiB, TP over {h.tp_link}")
+        for f in ("peak_flops", "mem_bandwidth", "memory_bytes"):
+            print(f"           {f}: {source_of(h, f)}")
+    print("links:")
+    for link in LINKS.values():
+        print(f"  {link.name:<8} {link.bandwidth / 1e9:g} GB/s per direction{' per GPU' if link.per_gpu else ''}, "
+              f"{link.latency_s * 1e6:g} us: {link.description}")
+    print("models (KV per token at 2 bytes):")
+    for m in MODELS.values():
+        print(f"  {m.describe()}; KV {m.kv_bytes_per_token(2) / 2**10:g} KiB/token  [{m.sources.get('*', '')}]")
+    return 0
+
+
+def _csv(text: str, kind: type) -> list[Any]:
+    return [kind(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=str)
+        f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m phaselab.sim.cli ...` until cli.py wires `phaselab simulate`."""
+    parser = argparse.ArgumentParser(prog="phaselab")
+    add_simulate_parser(parser.add_subparsers(dest="command", required=True))
+    return run_simulate(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

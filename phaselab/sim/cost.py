@@ -1,0 +1,223 @@
+"""Cost of one iteration, predicted from its plan: what the executor would have taken.
+
+    plan ─▶ counts (per GPU of a tensor-parallel group of tp devices)
+              linear layers   F_lin = 2 T L macs / tp (+ LM head on sampled rows)   B_w  = weights / tp
+              attention       F_att = 4 L heads d sum(keys) / tp                     B_kv = KV read + written / tp
+         ─▶ time = o_iter + L o_layer + n o_request + T o_token
+                 + max(F_lin / (peak x e(T)),  B_w  / (bandwidth x e_mem))       linear layers
+                 + max(F_att / (peak x e_att), B_kv / (bandwidth x e_mem))       attention
+                 + 2 L x all-reduce(T h b)   if tp > 1, all-reduce(x) = latency + 2 (tp-1)/tp x / link bandwidth
+         with e(T) = e_max x T / (T + rows_half): GEMM efficiency grows with the rows of the batch
+
+The issue's roofline `max(compute / (peak x efficiency(rows)), bytes / (bandwidth x efficiency))`
+is applied per operator class and the two are summed: within each layer the projections and the
+attention run one after the other, and in a mixed (chunked) batch the projections can be
+compute-bound while the decodes' attention is bandwidth-bound. Counts are those of
+`phaselab.obs.cost` (docs/metrics.md), generalised to OPT-style models by `ModelSpec`; for a
+Llama-family model `modeled_cost` here equals `phaselab.obs.cost.modeled_cost` field for field.
+
+Every parameter carries its source (`CostParams.sources`): "default: ..." until a calibration
+fits it ("fitted on run DIR ..."), see phaselab/sim/calibrate.py.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from phaselab.core.outputs import SchedulerOutput
+from phaselab.core.timing import ModeledCost
+from phaselab.errors import ConfigError
+from phaselab.sim.catalog import HardwareSpec, LinkSpec, ModelSpec
+
+NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """Efficiencies and overheads of one kind of device running one engine (see module docstring)."""
+
+    compute_efficiency: float = field(default=0.7, metadata={
+        "help": "e_max: fraction of peak FLOP/s a large GEMM reaches"})
+    rows_half: float = field(default=32.0, metadata={"help": "rows (tokens) of a GEMM at which it reaches e_max / 2"})
+    attention_efficiency: float = field(default=0.5, metadata={"help": "fraction of peak FLOP/s attention reaches"})
+    memory_efficiency: float = field(default=0.8, metadata={
+        "help": "fraction of peak bandwidth a streaming read reaches"})
+    iteration_overhead_s: float = field(default=1e-3, metadata={
+        "help": "fixed time per iteration (schedule, launch, sync)"})
+    layer_overhead_s: float = field(default=5e-6, metadata={
+        "help": "fixed time per layer per iteration (kernel launches)"})
+    request_overhead_s: float = field(default=5e-6, metadata={
+        "help": "time per scheduled request (metadata, sampling)"})
+    token_overhead_s: float = field(default=0.0, metadata={"help": "time per computed token not in the roofline"})
+    allreduce_latency_s: float = field(default=8e-6, metadata={"help": "fixed time of one tensor-parallel all-reduce"})
+    sources: dict[str, str] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        for name in ("rows_half", "iteration_overhead_s", "layer_overhead_s", "request_overhead_s",
+                     "token_overhead_s", "allreduce_latency_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default: a typical value for GPU serving engines, not fitted")
+
+    def to_json(self) -> dict[str, Any]:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+        return {**values, "sources": {k: self.source(k) for k in values}}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CostParams:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known - {"hardware", "fit"}
+        if unknown:
+            raise ConfigError(f"unknown cost parameter(s) {sorted(unknown)}; known: {sorted(known - {'sources'})}")
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str) -> CostParams:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_json(json.load(f))
+
+
+# Defaults per kind of device. GPUs: one set of typical figures (launch overheads of an engine with
+# CUDA graphs, FlashAttention efficiency); this CPU: placeholders until `calibrate` fits them.
+DEFAULT_PARAMS: dict[str, CostParams] = {
+    "cpu": CostParams(compute_efficiency=1.0, rows_half=8.0, attention_efficiency=0.3, memory_efficiency=1.0,
+                      iteration_overhead_s=5e-3, layer_overhead_s=2e-4, request_overhead_s=2e-4,
+                      token_overhead_s=0.0, allreduce_latency_s=0.0,
+                      sources={k: "default: placeholder for this CPU; run `phaselab simulate calibrate RUN_DIR`"
+                               for k in ("compute_efficiency", "rows_half", "attention_efficiency",
+                                         "memory_efficiency", "iteration_overhead_s", "layer_overhead_s",
+                                         "request_overhead_s", "token_overhead_s", "allreduce_latency_s")}),
+}
+
+
+def default_params(hardware: HardwareSpec) -> CostParams:
+    return DEFAULT_PARAMS.get(hardware.name, CostParams())
+
+
+@dataclass
+class IterationCost:
+    """The prediction for one plan: its duration split by cause, and the modeled counts (whole
+    instance, all GPUs together, as in the run directory's `modeled_*` fields)."""
+
+    duration_ns: int
+    overhead_s: float = 0.0
+    linear_s: float = 0.0
+    attention_s: float = 0.0
+    allreduce_s: float = 0.0
+    linear_bound: str = ""  # "compute" | "memory"
+    attention_bound: str = ""
+    modeled: ModeledCost = field(default_factory=ModeledCost)
+
+
+@dataclass(frozen=True)
+class PlanCounts:
+    """The plan reduced to what the cost depends on (cheap to build per iteration)."""
+
+    num_entries: int
+    num_tokens: int
+    num_sampled: int
+    kv_tokens_read: int  # cached tokens whose K/V are read
+    keys_attended: int  # sum over queries of the keys each attends (causal)
+
+
+def plan_counts(plan: SchedulerOutput) -> PlanCounts:
+    num_tokens = num_sampled = kv_read = keys = 0
+    for e in plan.scheduled:
+        n, s = len(e.token_ids), e.start_position
+        num_tokens += n
+        if e.sample:
+            num_sampled += 1
+        if n == 1:
+            kv_read += s + 1  # a decode attends through the cache, its own new K/V included
+            keys += s + 1
+        else:
+            kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
+            keys += n * s + n * (n + 1) // 2
+    return PlanCounts(len(plan.scheduled), num_tokens, num_sampled, kv_read, keys)
+
+
+class RooflineCostModel:
+    """Predicts an iteration's duration on one instance of `tp` devices (module docstring)."""
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, params: CostParams | None = None,
+                 tp: int = 1, dtype_bytes: int = 2, tp_link: LinkSpec | None = None) -> None:
+        if tp < 1:
+            raise ConfigError(f"tensor parallelism tp={tp} must be >= 1")
+        if tp > 1 and model.num_heads % tp:
+            raise ConfigError(f"{model.name}: {model.num_heads} attention heads do not split over tp={tp} GPUs")
+        self.model, self.hardware, self.tp, self.dtype_bytes = model, hardware, tp, dtype_bytes
+        self.params = params or default_params(hardware)
+        self.tp_link = tp_link
+        m, p, b = model, self.params, dtype_bytes
+        self._kv_per_token = m.kv_bytes_per_token(b)  # whole instance
+        self._kv_per_token_gpu = m.kv_bytes_per_token_per_gpu(b, tp)
+        self._params_total = m.num_parameters()
+        # an untied embedding table (and a learned position table) is only gathered: T rows each
+        self._gathered = m.vocab_size * m.hidden_size * (0 if m.tie_word_embeddings else 1) + \
+            m.learned_position_rows * m.hidden_size
+        self._gathered_rows = (0 if m.tie_word_embeddings else 1) + (1 if m.learned_position_rows else 0)
+        self._lin_flops_per_token = 2 * m.num_layers * m.linear_macs_per_token_per_layer()
+        self._head_flops_per_row = 2 * m.hidden_size * m.vocab_size
+        self._attn_flops_per_key = 4 * m.num_layers * m.num_heads * m.head_dim
+        self._peak = hardware.peak_flops
+        self._bw = hardware.mem_bandwidth * p.memory_efficiency
+        self._fixed = p.iteration_overhead_s + m.num_layers * p.layer_overhead_s
+        if tp > 1:
+            if tp_link is None:
+                raise ConfigError("tp > 1 needs the link of the tensor-parallel group")
+            ring = 2 * (tp - 1) / tp / (tp_link.bandwidth)
+            self._ar_fixed = 2 * m.num_layers * (p.allreduce_latency_s + tp_link.latency_s)
+            self._ar_per_token = 2 * m.num_layers * ring * m.hidden_size * dtype_bytes
+        else:
+            self._ar_fixed = self._ar_per_token = 0.0
+
+    def modeled_cost(self, c: PlanCounts) -> ModeledCost:
+        """The whole instance's modeled bytes and FLOPs (phaselab.obs.cost's formulas)."""
+        if c.num_entries == 0:
+            return ModeledCost()
+        hidden = self.model.hidden_size
+        return ModeledCost(
+            weight_bytes=(self._params_total - self._gathered + self._gathered_rows * c.num_tokens * hidden)
+            * self.dtype_bytes,
+            kv_read_bytes=self._kv_per_token * c.kv_tokens_read,
+            kv_write_bytes=self._kv_per_token * c.num_tokens,
+            matmul_flops=self._lin_flops_per_token * c.num_tokens + self._head_flops_per_row * c.num_sampled,
+            attention_flops=self._attn_flops_per_key * c.keys_attended,
+        )
+
+    def predict(self, plan: SchedulerOutput) -> IterationCost:
+        return self.predict_counts(plan_counts(plan))
+
+    def predict_counts(self, c: PlanCounts) -> IterationCost:
+        if c.num_entries == 0:
+            return IterationCost(0)
+        p, tp = self.params, self.tp
+        modeled = self.modeled_cost(c)
+        t = c.num_tokens
+        eff = p.compute_efficiency * t / (t + p.rows_half)
+        lin_compute = modeled.matmul_flops / tp / (self._peak * eff)
+        lin_memory = modeled.weight_bytes / tp / self._bw
+        kv_bytes_gpu = self._kv_per_token_gpu * (c.kv_tokens_read + t)
+        att_compute = modeled.attention_flops / tp / (self._peak * p.attention_efficiency)
+        att_memory = kv_bytes_gpu / self._bw
+        overhead = self._fixed + c.num_entries * p.request_overhead_s + t * p.token_overhead_s
+        allreduce = self._ar_fixed + self._ar_per_token * t if tp > 1 else 0.0
+        linear, attention = max(lin_compute, lin_memory), max(att_compute, att_memory)
+        total = overhead + linear + attention + allreduce
+        return IterationCost(
+            duration_ns=max(1, round(total * NS)), overhead_s=overhead, linear_s=linear, attention_s=attention,
+            allreduce_s=allreduce, linear_bound="compute" if lin_compute >= lin_memory else "memory",
+            attention_bound="compute" if att_compute >= att_memory else "memory", modeled=modeled)
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": self.model.name, "hardware": self.hardware.name, "tp": self.tp,
+                "dtype_bytes": self.dtype_bytes, "tp_link": self.tp_link.name if self.tp_link else None,
+                "params": self.params.to_json()}
+

@@ -1,0 +1,158 @@
+"""What is simulated: a model on a kind of device, as colocated replicas or disaggregated pools.
+
+    colocated:  num_replicas x [engine of tp GPUs: prefill + decode, one scheduler]
+    disagg:     num_prefill x [prefill engine, tp_p GPUs] ──KV over transfer_link──▶
+                num_decode x [decode engine, tp_d GPUs]
+
+Frozen, grouped by concern, no I/O. Each worker gets its own `core` Scheduler built from its
+RoleConfig exactly as the engine builds one from EngineArgs (same defaults: budget 2048 for
+`chunked`, max_model_len for `prefill-first`), and a KV cache sized from device memory the way a
+GPU engine sizes it: utilization x memory - weights - an activation reserve, per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.errors import ConfigError
+from phaselab.sim.catalog import GiB, HardwareSpec, LinkSpec, ModelSpec, get_link
+from phaselab.sim.cost import CostParams, default_params
+
+MODES = ("colocated", "disagg")
+TRANSFER_MODES = ("after-prefill", "layer-by-layer")
+FIRST_TOKEN_FROM = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """One pool's engines: parallelism and scheduler options (EngineArgs' names)."""
+
+    tp: int = field(default=1, metadata={"help": "tensor-parallel GPUs per engine"})
+    policy: str = field(default="chunked", metadata={"help": "chunked | prefill-first"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={
+        "help": "token budget per iteration (default 2048 for chunked, max_model_len for prefill-first)"})
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once per engine"})
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (default: from memory)"})
+
+
+@dataclass(frozen=True)
+class Deployment:
+    model: ModelSpec
+    hardware: HardwareSpec
+    mode: str = "colocated"
+    num_replicas: int = 1  # colocated
+    num_prefill: int = 1  # disagg
+    num_decode: int = 1
+    colocated: RoleConfig = RoleConfig()
+    prefill: RoleConfig = RoleConfig()
+    decode: RoleConfig = RoleConfig()
+    dtype_bytes: int = 2
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None  # default: the model's context, capped by every engine's cache
+    gpu_memory_utilization: float = 0.9
+    activation_reserve_bytes: int = 2 * GiB  # per GPU: activations, CUDA graphs, workspace
+    tp_link: str | None = None  # default: the hardware's
+    transfer_link: str | None = None  # disagg KV transfer; default: the hardware's tp_link (same node)
+    transfer_mode: str = "after-prefill"
+    # who sends the first token: the prefill side as soon as it is sampled (phaselab's router), or
+    # the decode side once the KV has arrived (a proxy that waits for the decode instance)
+    first_token_from: str = "prefill"
+    routing_policy: str = "least-outstanding"
+    params: CostParams | None = None  # default: the hardware's defaults
+    delivery_s: float = 0.0  # token sampled -> sent
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.transfer_mode not in TRANSFER_MODES:
+            raise ConfigError(f"unknown transfer mode {self.transfer_mode!r}; "
+                              f"choose one of {', '.join(TRANSFER_MODES)}")
+        if self.first_token_from not in FIRST_TOKEN_FROM:
+            raise ConfigError(f"first_token_from must be one of {', '.join(FIRST_TOKEN_FROM)}")
+        if min(self.num_replicas, self.num_prefill, self.num_decode) < 1:
+            raise ConfigError("every pool needs at least one engine")
+        if self.dtype_bytes not in (1, 2, 4):
+            raise ConfigError(f"dtype_bytes={self.dtype_bytes}: use 1, 2 or 4")
+
+    # -- derived -------------------------------------------------------------------------------------
+    def roles(self) -> list[tuple[str, int, RoleConfig]]:
+        """(role, number of engines, config) of every pool."""
+        if self.mode == "colocated":
+            return [("colocated", self.num_replicas, self.colocated)]
+        return [("prefill", self.num_prefill, self.prefill), ("decode", self.num_decode, self.decode)]
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(n * rc.tp for _, n, rc in self.roles())
+
+    @property
+    def cost_params(self) -> CostParams:
+        return self.params or default_params(self.hardware)
+
+    def tp_link_spec(self) -> LinkSpec:
+        return get_link(self.tp_link or self.hardware.tp_link)
+
+    def transfer_link_spec(self) -> LinkSpec:
+        return get_link(self.transfer_link or self.tp_link or self.hardware.tp_link)
+
+    def num_blocks(self, rc: RoleConfig) -> int:
+        """KV blocks of one engine: what its GPUs' memory holds after the weights."""
+        if rc.num_blocks is not None:
+            return rc.num_blocks
+        hw, m = self.hardware, self.model
+        per_gpu = hw.memory_bytes * self.gpu_memory_utilization - m.weight_bytes(self.dtype_bytes) / rc.tp \
+            - self.activation_reserve_bytes
+        block_bytes_gpu = self.block_size * m.kv_bytes_per_token_per_gpu(self.dtype_bytes, rc.tp)
+        n = int(per_gpu // block_bytes_gpu)
+        if n < 1:
+            raise ConfigError(
+                f"{m.name} ({m.weight_bytes(self.dtype_bytes) / 1e9:.0f} GB of weights) does not fit on tp={rc.tp} "
+                f"x {hw.name} ({hw.memory_bytes / 1e9:.0f} GB at {self.gpu_memory_utilization:.0%}); raise tp")
+        return n
+
+    def resolved_max_model_len(self) -> int:
+        caps = [self.num_blocks(rc) * self.block_size for _, _, rc in self.roles()]
+        limit = min([self.model.max_position_embeddings, *caps])
+        if self.max_model_len is not None:
+            if self.max_model_len > limit:
+                raise ConfigError(f"max_model_len={self.max_model_len} exceeds what every engine holds "
+                                  f"({limit} tokens)")
+            return self.max_model_len
+        return limit
+
+    def scheduler_config(self, rc: RoleConfig) -> SchedulerConfig:
+        max_model_len = self.resolved_max_model_len()
+        budget = rc.max_num_batched_tokens or (2048 if rc.policy == "chunked" else max_model_len)
+        return SchedulerConfig(policy=rc.policy, max_num_batched_tokens=budget, max_num_seqs=rc.max_num_seqs,
+                               max_model_len=max_model_len,
+                               long_prefill_token_threshold=rc.long_prefill_token_threshold,
+                               max_num_partial_prefills=rc.max_num_partial_prefills)
+
+    def cache_config(self, rc: RoleConfig) -> CacheConfig:
+        return CacheConfig(self.block_size, self.num_blocks(rc), self.enable_prefix_caching)
+
+    def describe(self) -> str:
+        hw = self.hardware.name
+        if self.mode == "colocated":
+            rc = self.colocated
+            return f"{self.num_replicas} x colocated ({rc.policy}, TP{rc.tp}) on {hw}: {self.num_gpus} GPUs"
+        return (f"disagg {self.num_prefill}P (TP{self.prefill.tp}, {self.prefill.policy}) : {self.num_decode}D "
+                f"(TP{self.decode.tp}) on {hw}, KV over {self.transfer_link_spec().name} ({self.transfer_mode}): "
+                f"{self.num_gpus} GPUs")
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("model", "hardware", "params")}
+        d["model"] = self.model.name
+        d["hardware"] = self.hardware.name
+        d["num_gpus"] = self.num_gpus
+        d["tp_link"] = self.tp_link_spec().name
+        d["transfer_link"] = self.transfer_link_spec().name if self.mode == "disagg" else None
+        d["max_model_len"] = self.resolved_max_model_len()
+        d["num_blocks"] = {role: self.num_blocks(rc) for role, _, rc in self.roles()}
+        d["describe"] = self.describe()
+        return d

@@ -1,0 +1,538 @@
+"""The discrete-event simulation: core's own Scheduler per worker, a cost model per iteration.
+
+    arrival ──router (core.routing)──▶ worker.inbox
+    STEP_START (worker idle, work waiting):
+        inbox ─▶ scheduler.add_request;  staged KV ─▶ scheduler.add_prefilled_request (decode side)
+        plan = scheduler.schedule()                     # the engine's scheduler, unchanged
+        result = executor.execute(plan)                 # CostModelExecutor: tokens + predicted duration
+        STEP_END at now + duration
+    STEP_END:
+        deltas = scheduler.update(plan, result)         # the engine's update, unchanged
+        phase stamps (as LLMEngine._process), IterationRecord (as LLMEngine._record_iteration)
+        disagg prefill: a parked request ─▶ KV flow on the network ─▶ decode worker's staged queue
+        next STEP_START at once if work remains, else idle until something arrives
+
+Every worker runs the same schedule -> execute -> update cycle as `LLMEngine.step()`, on a virtual
+clock (phaselab/sim/events.py) instead of `time.monotonic_ns()`. What a request sees is stamped with
+the same rules as the engine (docs/metrics.md): a chunk spans its whole iteration, a token is
+sampled at the iteration's end and sent `delivery_s` later (0: the offline engine's "handed to
+the caller"). Disaggregated requests follow phaselab's router: the prefill worker parks the
+request with its blocks, the KV moves as a flow (phaselab/sim/transfer.py), the prefill worker
+frees its blocks when the last byte arrived, and the decode worker admits the request once it has
+room (`add_prefilled_request`; the wait is the decode admission wait).
+
+    after-prefill:   flow of the request's whole KV (block granularity) starts when the token is sampled
+    layer-by-layer:  one flow per prefill chunk, started with the chunk's iteration and capped at the
+                     rate the iteration produces K/V (bytes / iteration time); uncapped once it ends
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import phaselab
+from phaselab.core.executor import Executor
+from phaselab.core.kv_cache_manager import cdiv
+from phaselab.core.outputs import SchedulerOutput, StepResult
+from phaselab.core.request import Request, RequestStatus
+from phaselab.core.routing import WorkerLoad, make_routing_policy
+from phaselab.core.sampling_params import SamplingParams
+from phaselab.core.scheduler import Scheduler
+from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics, ScheduledChunk
+from phaselab.errors import InvalidRequestError
+from phaselab.obs.rundir import write_run_dir
+from phaselab.sim.cost import IterationCost, RooflineCostModel
+from phaselab.sim.deployment import Deployment, RoleConfig
+from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
+from phaselab.sim.transfer import Flow, Network
+from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, ArrivalSpec, SimRequest
+
+NS = 1_000_000_000
+# The virtual clock starts here, not at 0, so no timestamp is ever falsy.
+EPOCH_NS = NS
+EOS_IDS = frozenset({EOS_TOKEN})
+
+
+class CostModel(Protocol):
+    def predict(self, plan: SchedulerOutput) -> IterationCost: ...
+
+
+class CostModelExecutor(Executor):
+    """The executor of a simulated worker: a deterministic dummy token per sampled request (EOS
+    where the workload says the request stops) and the cost model's predicted duration, split
+    into prepare (fixed overheads) and forward (the rest)."""
+
+    def __init__(self, cost_model: CostModel, stop_at: dict[str, int]) -> None:
+        self.cost_model = cost_model
+        self.stop_at = stop_at  # request id -> output tokens after which it samples EOS
+        self.last_cost = IterationCost(0)
+
+    def execute(self, plan: SchedulerOutput) -> StepResult:
+        cost = self.last_cost = self.cost_model.predict(plan)
+        sampled = {}
+        stop_at = self.stop_at
+        for e in plan.scheduled:
+            if e.sample:
+                stop = stop_at.get(e.request_id)
+                stops = stop is not None and e.num_output_tokens + 1 >= stop
+                sampled[e.request_id] = EOS_TOKEN if stops else DUMMY_TOKEN
+        prepare = min(cost.duration_ns, round(cost.overhead_s * NS))
+        return StepResult(plan.iteration_id, sampled, prepare_ns=prepare, forward_ns=cost.duration_ns - prepare)
+
+
+class SimWorker:
+    """One engine of the deployment: a core Scheduler, an executor, and its place on the clock."""
+
+    def __init__(self, name: str, role: str, rc: RoleConfig, scheduler: Scheduler, executor: CostModelExecutor) -> None:
+        self.name, self.role, self.rc = name, role, rc
+        self.scheduler = scheduler
+        self.executor = executor
+        self.inbox: list[Request] = []  # arrived, added to the scheduler at the next iteration boundary
+        self.staged: deque[Request] = deque()  # decode side: KV arrived, waiting for admission
+        self.busy = False
+        self.kicked = False
+        self.busy_ns = 0
+        self.num_iterations = 0
+        self.open_flows: list[Flow] = []  # layer-by-layer flows capped by this iteration
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.inbox or self.staged or self.scheduler.has_schedulable_requests())
+
+
+@dataclass
+class _Track:
+    """Simulator-side state of one request (the scheduler's Request holds its counters)."""
+
+    spec: SimRequest
+    metrics: RequestMetrics
+    request: Request
+    worker: SimWorker
+    decode_worker: SimWorker | None = None
+    was_preempted: bool = False
+    prefill_done: bool = False  # disagg: first token sampled on the prefill worker
+    flows_pending: int = 0  # disagg: KV flows not yet arrived
+    kv_tokens_sent: int = 0  # layer-by-layer: prompt tokens whose K/V have a flow
+    first_sent: bool = False
+
+
+@dataclass
+class SimResult:
+    requests: list[RequestMetrics]
+    iterations: list[IterationRecord]
+    config: dict[str, Any]
+    process_names: dict[str, str] = field(default_factory=dict)
+    wall_s: float = 0.0
+    num_events: int = 0
+    sim_duration_s: float = 0.0
+    worker_stats: list[dict[str, Any]] = field(default_factory=list)
+
+    def write(self, path: str) -> None:
+        """The same run directory as a real run (docs/run-directory.md), marked simulated."""
+        write_run_dir(path, self.requests, self.iterations, self.config, process_names=self.process_names)
+
+
+CostModelFactory = Callable[[str, str, RoleConfig], CostModel]
+
+
+class Simulator:
+    def __init__(self, deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalSpec | None = None,
+                 cost_model_factory: CostModelFactory | None = None, record_iterations: bool = True,
+                 workload_info: dict[str, Any] | None = None, check_invariants: bool = False) -> None:
+        self.d = deployment
+        self.check_invariants = check_invariants  # tests: the scheduler's invariants after every step
+        self.specs = list(requests)
+        self.arrivals = arrivals or ArrivalSpec(self_timed=True)
+        self.record_iterations = record_iterations
+        self.workload_info = workload_info or {}
+        self.events = EventQueue(EPOCH_NS)
+        self.network = Network(self.events)
+        self.stop_at: dict[str, int] = {s.request_id: s.output_len for s in self.specs if s.output_len is not None}
+        self.max_model_len = deployment.resolved_max_model_len()
+        self.transfer_link = deployment.transfer_link_spec()
+        make_cost = cost_model_factory or self._default_cost_model
+        self.workers: dict[str, list[SimWorker]] = {}
+        for role, count, rc in deployment.roles():
+            pool = []
+            for i in range(count):
+                name = f"{role}-{i}" if deployment.mode == "disagg" else f"replica-{i}"
+                sched = Scheduler(deployment.scheduler_config(rc), deployment.cache_config(rc))
+                w = SimWorker(name, role, rc, sched, CostModelExecutor(make_cost(name, role, rc), self.stop_at))
+                pool.append(w)
+                if deployment.mode == "disagg":
+                    ports = rc.tp if self.transfer_link.per_gpu else 1
+                    self.network.add_port("tx:" + name, self.transfer_link.bandwidth * ports)
+                    self.network.add_port("rx:" + name, self.transfer_link.bandwidth * ports)
+            self.workers[role] = pool
+        self.by_name = {w.name: w for pool in self.workers.values() for w in pool}
+        self.loads = {role: [WorkerLoad(w.name, role) for w in pool] for role, pool in self.workers.items()}
+        self.policy = {role: make_routing_policy(deployment.routing_policy) for role in self.workers}
+        self.kv_per_token = deployment.model.kv_bytes_per_token(deployment.dtype_bytes)
+        self.tracks: dict[str, _Track] = {}
+        self.finished: list[RequestMetrics] = []
+        self.iterations: list[IterationRecord] = []
+        self._params_cache: dict[int, SamplingParams] = {}
+        self._next_closed = 0
+        self.delivery_ns = round(deployment.delivery_s * NS)
+
+    def _default_cost_model(self, name: str, role: str, rc: RoleConfig) -> CostModel:
+        d = self.d
+        return RooflineCostModel(d.model, d.hardware, d.cost_params, rc.tp, d.dtype_bytes,
+                                 d.tp_link_spec() if rc.tp > 1 else None)
+
+    # -- the run -----------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        t0 = time.perf_counter()
+        if self.arrivals.concurrency is not None:
+            for _ in range(min(self.arrivals.concurrency, len(self.specs))):
+                self._release_next_closed(EPOCH_NS)
+        else:
+            for s in sorted(self.specs, key=lambda s: s.offset_ns):  # stable: equal times keep workload order
+                self.events.push(EPOCH_NS + s.offset_ns, ARRIVAL, self._arrive, s)
+        gc_enabled = gc.isenabled()
+        gc.disable()  # millions of short-lived plan objects, no cycles worth collecting: ~10% faster
+        try:
+            self.events.run()
+        finally:
+            if gc_enabled:
+                gc.enable()
+        wall = time.perf_counter() - t0
+        assert not self.tracks, f"{len(self.tracks)} requests never finished (e.g. {next(iter(self.tracks))})"
+        end = max([m.finished_ns or 0 for m in self.finished] + [EPOCH_NS])
+        return SimResult(self.finished, self.iterations, self._config(), self._process_names(), wall,
+                         self.events.num_events, (end - EPOCH_NS) / NS, self._worker_stats(end))
+
+    def _release_next_closed(self, now: int) -> None:
+        if self._next_closed < len(self.specs):
+            s = self.specs[self._next_closed]
+            self._next_closed += 1
+            self.events.push(now, ARRIVAL, self._arrive, s)
+
+    # -- arrivals and routing ----------------------------------------------------------------------------
+    def _params(self, max_tokens: int) -> SamplingParams:
+        p = self._params_cache.get(max_tokens)
+        if p is None:
+            p = self._params_cache[max_tokens] = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        return p
+
+    def _pick(self, role: str, num_tokens: int) -> SimWorker:
+        loads = self.loads[role]
+        name = self.policy[role].pick(loads, num_tokens)
+        assert name is not None
+        return self.by_name[name]
+
+    def _load(self, role: str, worker: SimWorker) -> WorkerLoad:
+        return self.loads[role][self.workers[role].index(worker)]
+
+    def _arrive(self, spec: SimRequest) -> None:
+        now = self.events.now
+        rid = spec.request_id
+        m = RequestMetrics(arrived_ns=now, tokenized_ns=now, queued_ns=now, request_id=rid,
+                           num_prompt_tokens=spec.num_prompt_tokens)
+        disagg = self.d.mode == "disagg"
+        role = "prefill" if disagg else "colocated"
+        if spec.num_prompt_tokens >= self.max_model_len:
+            # the engine's validate_prompt: refused before it is queued
+            m.finish_reason, m.finished_ns = "error", now
+            m.error = (f"the prompt has {spec.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}")
+            self.finished.append(m)
+            self._on_request_done(now)
+            return
+        worker = self._pick(role, spec.num_prompt_tokens)
+        self._load(role, worker).add(spec.num_prompt_tokens)
+        m.worker = worker.name
+        request = Request(rid, spec.token_ids(), self._params(spec.max_tokens), arrival_time=now / NS,
+                          eos_token_ids=EOS_IDS, max_model_len=self.max_model_len, prefill_only=disagg)
+        assert rid not in self.tracks, f"request id {rid!r} is used twice"
+        self.tracks[rid] = _Track(spec, m, request, worker)
+        worker.inbox.append(request)
+        self._kick(worker)
+
+    def _kick(self, w: SimWorker) -> None:
+        if not w.busy and not w.kicked:
+            w.kicked = True
+            self.events.push(self.events.now, STEP_START, self._step_start, w)
+
+    # -- one iteration ---------------------------------------------------------------------------------
+    def _step_start(self, w: SimWorker) -> None:
+        w.kicked = False
+        if w.busy:
+            return
+        now = self.events.now
+        sched = w.scheduler
+        if w.inbox:
+            for request in w.inbox:
+                try:
+                    sched.add_request(request)
+                except InvalidRequestError as e:
+                    self._fail(self.tracks[request.request_id], str(e), now)
+            w.inbox.clear()
+        while w.staged:
+            request = w.staged[0]
+            try:
+                if sched.add_prefilled_request(request) is None:
+                    break  # backpressure: no seat or blocks yet; retried at the next boundary
+            except InvalidRequestError as e:  # can never fit this worker
+                w.staged.popleft()
+                self._fail(self.tracks[request.request_id], str(e), now)
+                continue
+            w.staged.popleft()
+            t = self.tracks[request.request_id]
+            t.request = request
+            t.metrics.decode_admitted_ns = now
+            if not t.first_sent:
+                self._send_first(t, now + self.delivery_ns)
+        if not sched.has_schedulable_requests():
+            return  # idle until an arrival, a transfer or a release kicks it
+        plan = sched.schedule()
+        if plan.is_empty:
+            return  # e.g. a prefill worker whose blocks are all parked: a release will kick it
+        result = w.executor.execute(plan)
+        cost = w.executor.last_cost
+        duration = result.prepare_ns + result.forward_ns + result.sample_ns
+        w.busy = True
+        if w.role == "prefill" and self.d.transfer_mode == "layer-by-layer":
+            self._start_layer_flows(w, plan, duration)
+        self.events.push(now + duration, STEP_END, self._step_end, w, plan, result, cost, now)
+
+    def _step_end(self, w: SimWorker, plan: SchedulerOutput, result: StepResult, cost: IterationCost,
+                  start: int) -> None:
+        end = self.events.now
+        sched = w.scheduler
+        deltas = sched.update(plan, result)
+        if self.check_invariants:
+            sched.check_invariants()
+        w.busy = False
+        w.busy_ns += end - start
+        w.num_iterations += 1
+        for flow in w.open_flows:  # the iteration that produced their K/V is over
+            self.network.set_cap(flow, None)
+        w.open_flows.clear()
+        tracks = self.tracks
+        iteration_id = plan.iteration_id
+        # -- phase stamps, as LLMEngine._process --
+        for rid in plan.preempted_request_ids:
+            t = tracks.get(rid)
+            if t is not None:
+                t.metrics.preempted_ns.append(start)
+                t.metrics.num_preemptions += 1
+                t.was_preempted = True
+                t.kv_tokens_sent = 0
+        chunks: list[ScheduledChunk] = []
+        num_prefill = num_decode = 0
+        record = self.record_iterations
+        for s in plan.scheduled:
+            n = len(s.token_ids)
+            if s.is_prefill:
+                num_prefill += n
+            else:
+                num_decode += n
+            if record:
+                chunks.append(ScheduledChunk(s.request_id, n, s.is_prefill, s.start_position + n))
+            t = tracks.get(s.request_id)
+            if t is None:
+                continue
+            m = t.metrics
+            if m.first_scheduled_ns is None:
+                m.first_scheduled_ns = start
+                m.num_cached_tokens = max(t.request.num_cached_tokens, 0)
+            if t.was_preempted:
+                m.resumed_ns.append(start)
+                t.was_preempted = False
+            if s.is_prefill:
+                (m.prefill_chunks if m.first_token_sampled_ns is None else m.recompute_chunks).append(
+                    PrefillChunk(iteration_id, start, end, n))
+        sent = end + self.delivery_ns
+        for d in deltas:
+            t = tracks.get(d.request_id)
+            if t is None:
+                continue
+            m = t.metrics
+            m.token_sampled_ns.append(end)
+            m.token_iteration_ids.append(iteration_id)
+            if m.first_token_sampled_ns is None:
+                m.first_token_sampled_ns = end
+                if w.role != "prefill" or d.finish_reason is not None or self.d.first_token_from == "prefill":
+                    self._send_first(t, sent)
+                if w.role == "prefill":
+                    self._load("prefill", w).remove(t.spec.num_prompt_tokens)
+                    t.prefill_done = True
+                    if d.finish_reason is None:
+                        self._prefill_parked(t, w)
+            else:
+                m.token_sent_ns.append(sent)
+            if d.finish_reason is not None:
+                self._finish(t, d.finish_reason, sent)
+        if record:
+            self.iterations.append(IterationRecord(
+                iteration_id=iteration_id, worker=w.name, role=w.role, start_ns=start, end_ns=end,
+                prepare_ns=result.prepare_ns, forward_ns=result.forward_ns, sample_ns=result.sample_ns,
+                num_prefill_tokens=num_prefill, num_decode_tokens=num_decode, chunks=chunks,
+                num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
+                num_running=sched.num_running, num_waiting=sched.num_waiting,
+                preempted_request_ids=list(plan.preempted_request_ids), modeled=cost.modeled))
+        if w.has_work:
+            self._kick(w)
+
+    def _send_first(self, t: _Track, sent: int) -> None:
+        t.first_sent = True
+        t.metrics.token_sent_ns.append(sent)
+
+    # -- finishing ------------------------------------------------------------------------------------------
+    def _finish(self, t: _Track, reason: str, now: int) -> None:
+        m = t.metrics
+        rid = m.request_id
+        m.finish_reason = reason
+        m.num_output_tokens = len(m.token_sampled_ns)
+        m.finished_ns = max(now, m.token_sent_ns[-1] if m.token_sent_ns else now)
+        if t.decode_worker is not None:
+            self._load("decode", t.decode_worker).remove(t.spec.num_prompt_tokens + 1)
+        elif self.d.mode == "colocated":
+            self._load("colocated", t.worker).remove(t.spec.num_prompt_tokens)
+        if t.flows_pending == 0:
+            del self.tracks[rid]
+        self.finished.append(m)
+        self._on_request_done(now)
+
+    def _fail(self, t: _Track, message: str, now: int) -> None:
+        t.metrics.error = message
+        self._finish(t, "error", now)
+
+    def _on_request_done(self, now: int) -> None:
+        if self.arrivals.concurrency is not None:
+            self._release_next_closed(now)
+
+    # -- disaggregation: the KV transfer ----------------------------------------------------------------------
+    def _choose_decode(self, t: _Track) -> SimWorker:
+        if t.decode_worker is None:
+            w = self._pick("decode", t.spec.num_prompt_tokens + 1)
+            self._load("decode", w).add(t.spec.num_prompt_tokens + 1)
+            t.decode_worker = w
+            t.metrics.decode_worker = w.name
+        return t.decode_worker
+
+    def _kv_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.kv_per_token
+
+    def _start_flow(self, t: _Track, src: SimWorker, num_bytes: int, cap: float | None = None) -> Flow:
+        m = t.metrics
+        dst = self._choose_decode(t)
+        now = self.events.now
+        if m.kv_transfer_queued_ns is None:
+            m.kv_transfer_queued_ns = m.kv_transfer_start_ns = now
+            m.kv_transfer_bytes = 0
+        m.kv_transfer_bytes = (m.kv_transfer_bytes or 0) + num_bytes
+        t.flows_pending += 1
+        return self.network.start("tx:" + src.name, "rx:" + dst.name, num_bytes, self._flow_done,
+                                  self.transfer_link.latency_s, cap, tag=(t, src))
+
+    def _prefill_parked(self, t: _Track, w: SimWorker) -> None:
+        """The prefill worker sampled the first token and parked the request with its blocks."""
+        num_kv = t.request.num_computed_tokens  # prompt (+ earlier outputs): all but the sampled token
+        padded = cdiv(num_kv, self.d.block_size) * self.d.block_size  # whole blocks, as the connector sends
+        if self.d.transfer_mode == "after-prefill":
+            self._start_flow(t, w, self._kv_bytes(padded))
+        else:
+            rest = padded - t.kv_tokens_sent  # the last block's padding (and anything not yet sent)
+            t.kv_tokens_sent = padded
+            if rest > 0 or t.flows_pending == 0:
+                self._start_flow(t, w, self._kv_bytes(rest))
+
+    def _start_layer_flows(self, w: SimWorker, plan: SchedulerOutput, duration_ns: int) -> None:
+        """Layer by layer: each prefill chunk's K/V leave as the iteration computes them."""
+        seconds = duration_ns / NS
+        for s in plan.scheduled:
+            if not s.is_prefill:
+                continue
+            t = self.tracks.get(s.request_id)
+            if t is None:
+                continue
+            context = s.start_position + len(s.token_ids)
+            new_tokens = context - t.kv_tokens_sent  # prefix-cache hits go with the first chunk
+            if new_tokens <= 0:
+                continue
+            t.kv_tokens_sent = context
+            num_bytes = self._kv_bytes(new_tokens)
+            w.open_flows.append(self._start_flow(t, w, num_bytes, cap=num_bytes / seconds if seconds > 0 else None))
+
+    def _flow_done(self, flow: Flow) -> None:
+        t, src = flow.tag  # type: ignore[misc]
+        t.flows_pending -= 1
+        m = t.metrics
+        m.kv_transfer_end_ns = flow.done_ns
+        if t.flows_pending > 0 or not t.prefill_done:
+            return
+        rid = m.request_id
+        if m.finish_reason is not None:  # finished with its first token: nothing to decode
+            self.tracks.pop(rid, None)
+            return
+        # the source frees the parked blocks (the ack), the decode side admits when it has room
+        src.scheduler.finish_requests([rid], RequestStatus.FINISHED_STOPPED)
+        if src.has_work:
+            self._kick(src)
+        prefill_req = t.request
+        request = Request(rid, prefill_req.prompt_token_ids, prefill_req.sampling_params,
+                          arrival_time=prefill_req.arrival_time, eos_token_ids=EOS_IDS,
+                          max_model_len=self.max_model_len)
+        for token_id in prefill_req.output_token_ids:
+            request.append_output_token(token_id)
+        dst = t.decode_worker
+        assert dst is not None
+        dst.staged.append(request)
+        self._kick(dst)
+
+    # -- outputs ----------------------------------------------------------------------------------------
+    def _process_names(self) -> dict[str, str]:
+        names = {}
+        for role, _, rc in self.d.roles():
+            for w in self.workers[role]:
+                names[w.name] = f"{w.name} ({role}, {self.d.hardware.name} x TP{rc.tp}, simulated)"
+        return names
+
+    def _worker_stats(self, end: int) -> list[dict[str, Any]]:
+        span = max(1, end - EPOCH_NS)
+        return [{"worker": w.name, "role": w.role, "tp": w.rc.tp, "num_iterations": w.num_iterations,
+                 "busy_s": w.busy_ns / NS, "busy_fraction": w.busy_ns / span,
+                 "num_blocks": w.scheduler.cache_config.num_blocks,
+                 "num_preemptions": w.scheduler.num_preemptions_total}
+                for pool in self.workers.values() for w in pool]
+
+    def _config(self) -> dict[str, Any]:
+        d = self.d
+        first_role = d.roles()[0][2]
+        return {
+            "simulated": True,
+            "simulator": {"phaselab": phaselab.__version__, "clock": "virtual (ns)", "epoch_ns": EPOCH_NS},
+            "model": {"name": d.model.name, "spec": dataclasses.asdict(d.model)},
+            "dtype": {1: "int8/fp8", 2: "bfloat16", 4: "float32"}[d.dtype_bytes],
+            "hardware": dataclasses.asdict(d.hardware),
+            "deployment": d.to_json(),
+            "role": "colocated" if d.mode == "colocated" else "disagg",
+            "worker": ",".join(self.by_name),
+            "scheduler": dataclasses.asdict(d.scheduler_config(first_role)),
+            "schedulers": {role: dataclasses.asdict(d.scheduler_config(rc)) for role, _, rc in d.roles()},
+            "cache": {**dataclasses.asdict(d.cache_config(first_role)),
+                      "kv_bytes_per_token": self.kv_per_token},
+            "cost_model": {role: _describe_cost_model(self.workers[role][0].executor.cost_model)
+                           for role, _, _ in d.roles()},
+            "transfer": ({"link": dataclasses.asdict(self.transfer_link), "mode": d.transfer_mode,
+                          "first_token_from": d.first_token_from} if d.mode == "disagg" else None),
+            "workload": {**self.workload_info, "num_requests": len(self.specs), "arrivals": self.arrivals.describe()},
+        }
+
+
+def _describe_cost_model(cm: Any) -> dict[str, Any]:
+    describe = getattr(cm, "describe", None)
+    return describe() if callable(describe) else {"kind": type(cm).__name__}
+
+
+def simulate(deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalSpec | None = None,
+             **options: Any) -> SimResult:
+    return Simulator(deployment, requests, arrivals, **options).run()
+

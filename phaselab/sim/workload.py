@@ -1,0 +1,179 @@
+"""The requests of a simulated run: token counts, output lengths and arrival times.
+
+The same generators and seeds as `phaselab bench` (phaselab/bench/workloads.py, arrivals.py):
+
+    SeedSequence(seed).spawn(2) ─▶ [0] lengths (LengthDist draws, in the bench's order)
+                                   [1] open-loop arrival gaps (gamma_intervals: Poisson at burstiness 1)
+
+so `random` with a seed gives the bench's input/output lengths and send times exactly. The bench
+then builds prompt *text* of those lengths from a tokenizer's vocabulary; the simulator needs only
+the token counts and makes each prompt unique (its first token is the request's own id, so no two
+requests share a cached block by accident). `shared-prefix` builds its groups the same way (a
+group's first `prefix_len` tokens are identical, the rest unique); its lengths are drawn with the
+bench's distributions but, since the bench interleaves prompt-text draws in the same generator,
+not bit-identical to the bench's. `interference` has no random draw. `trace` reads the bench's
+JSONL keys. With `exact_prompts` (a tokenizer), the bench's own specs are tokenized instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from phaselab.bench.arrivals import arrival_offsets
+from phaselab.bench.workloads import InterferenceParams, LengthDist, WorkloadError
+
+PREFIX_TOKEN_BASE = 1 << 40  # first token of a shared-prefix group's prompts
+UNIQUE_TOKEN_BASE = 1 << 41  # first token of a request's own part
+DUMMY_TOKEN = 1  # what the cost-model executor samples
+EOS_TOKEN = 2  # sampled where the workload says the request stops
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    num_prompt_tokens: int
+    max_tokens: int
+    arrival_s: float = 0.0
+    output_len: int | None = None  # stop (EOS) after this many output tokens; None: run to max_tokens
+    group: str = "default"
+    prefix_group: int | None = None  # shared-prefix group: the first prefix_len tokens are the group's
+    prefix_len: int = 0
+    prompt_token_ids: list[int] | None = None  # exact ids (e.g. tokenized bench prompts)
+    index: int = 0  # position in the workload (makes synthetic prompts unique)
+    arrival_ns: int | None = None  # exact offset in ns (replays); overrides arrival_s
+
+    @property
+    def offset_ns(self) -> int:
+        return self.arrival_ns if self.arrival_ns is not None else round(self.arrival_s * 1e9)
+
+    def token_ids(self) -> list[int]:
+        """The prompt's token ids: exact if given, else synthetic and unique to this request
+        (a shared-prefix group's first prefix_len tokens are the group's)."""
+        if self.prompt_token_ids is not None:
+            return list(self.prompt_token_ids)
+        n = self.num_prompt_tokens
+        if self.prefix_group is not None and self.prefix_len > 0:
+            head = [PREFIX_TOKEN_BASE + self.prefix_group] + [0] * (self.prefix_len - 1)
+            return head + [UNIQUE_TOKEN_BASE + self.index] + [0] * (n - self.prefix_len - 1)
+        return [UNIQUE_TOKEN_BASE + self.index] + [0] * (n - 1)
+
+
+@dataclass(frozen=True)
+class ArrivalSpec:
+    """Open loop (`request_rate`, `burstiness`: the bench's gamma renewal process), all at once
+    (rate inf), the workload's own times (`self_timed`), or closed loop (`concurrency` users, each
+    sending its next request when its last one finished)."""
+
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    self_timed: bool = False
+
+    def describe(self) -> str:
+        if self.concurrency is not None:
+            return f"closed loop, concurrency {self.concurrency}"
+        if self.self_timed:
+            return "the workload's own arrival times"
+        if math.isinf(self.request_rate):
+            return "open loop, all requests at once"
+        dist = "Poisson" if self.burstiness == 1.0 else f"gamma (burstiness {self.burstiness:g})"
+        return f"open loop, {self.request_rate:g} req/s, {dist}"
+
+
+def _seeds(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
+    s = np.random.SeedSequence(seed).spawn(2)  # as phaselab bench: [0] workload, [1] arrivals
+    return np.random.default_rng(s[0]), np.random.default_rng(s[1])
+
+
+def _apply_arrivals(requests: list[SimRequest], arrivals: ArrivalSpec, rng: np.random.Generator) -> list[SimRequest]:
+    if arrivals.self_timed or arrivals.concurrency is not None:
+        return requests
+    for r, t in zip(requests, arrival_offsets(len(requests), arrivals.request_rate, arrivals.burstiness, rng)):
+        r.arrival_s = t
+    return requests
+
+
+def random_requests(num_prompts: int, input_len: str | int = "256", output_len: str | int = "128", seed: int = 0,
+                    arrivals: ArrivalSpec = ArrivalSpec()) -> list[SimRequest]:
+    """The bench's `random` workload: lengths from LengthDist specs ("256", "uniform:128:512", ...).
+    Each request generates exactly its drawn output length (the bench sends it as max_tokens; a
+    simulated model never samples EOS unless `output_len` says so)."""
+    rng_w, rng_a = _seeds(seed)
+    ins = LengthDist.parse(input_len).sample(rng_w, num_prompts)
+    outs = LengthDist.parse(output_len).sample(rng_w, num_prompts)
+    reqs = [SimRequest(f"req-{i}", n_in, n_out, index=i)
+            for i, (n_in, n_out) in enumerate(zip(ins, outs))]
+    return _apply_arrivals(reqs, arrivals, rng_a)
+
+
+def shared_prefix_requests(num_prompts: int, num_groups: int = 4, prefix_len: int = 512, suffix_len: str = "64",
+                           output_len: str = "64", seed: int = 0, arrivals: ArrivalSpec = ArrivalSpec()
+                           ) -> list[SimRequest]:
+    """Request i belongs to group i % num_groups; prompt = the group's prefix_len tokens + a suffix."""
+    rng_w, rng_a = _seeds(seed)
+    suffixes = LengthDist.parse(suffix_len).sample(rng_w, num_prompts)
+    outs = LengthDist.parse(output_len).sample(rng_w, num_prompts)
+    reqs = [SimRequest(f"req-{i}", prefix_len + n_suf, n_out, group=f"group-{i % num_groups}",
+                       prefix_group=i % num_groups, prefix_len=prefix_len, index=i)
+            for i, (n_suf, n_out) in enumerate(zip(suffixes, outs))]
+    return _apply_arrivals(reqs, arrivals, rng_a)
+
+
+def interference_requests(p: InterferenceParams = InterferenceParams()) -> list[SimRequest]:
+    """The bench's `interference` workload: streams at t=0, long prompts at start + k x interval."""
+    reqs = [SimRequest(f"req-stream-{i}", p.stream_input_len, p.stream_output_len, 0.0, group="stream", index=i)
+            for i in range(p.num_streams)]
+    reqs += [SimRequest(f"req-long-{k}", p.long_input_len, p.long_output_len, p.long_start_s + k * p.long_interval_s,
+                        group="long", index=p.num_streams + k) for k in range(p.num_long_prompts)]
+    return reqs
+
+
+_ARRIVAL_S = ("arrival_s", "timestamp_s")
+_ARRIVAL_MS = ("timestamp_ms", "timestamp")
+_INPUT = ("input_tokens", "input_length", "prompt_tokens")
+_OUTPUT = ("output_tokens", "output_length", "max_tokens")
+
+
+def trace_requests(path: str, num_prompts: int | None = None, time_scale: float = 1.0) -> list[SimRequest]:
+    """The bench's trace JSONL (Mooncake keys too): arrival, input and output token counts."""
+    rows: list[tuple[float, dict[str, Any]]] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            t = _first(row, _ARRIVAL_S)
+            if t is None and (ms := _first(row, _ARRIVAL_MS)) is not None:
+                t = ms / 1000.0
+            n_in, n_out = _first(row, _INPUT), _first(row, _OUTPUT)
+            if t is None or n_in is None or n_out is None:
+                raise WorkloadError(f"{path}:{lineno}: the simulator needs an arrival time, an input token count "
+                                    f"({'/'.join(_INPUT)}) and an output token count ({'/'.join(_OUTPUT)})")
+            rows.append((float(t), row))
+            if num_prompts is not None and len(rows) >= num_prompts:
+                break
+    if not rows:
+        raise WorkloadError(f"{path} holds no requests")
+    t0 = min(t for t, _ in rows)
+    return [SimRequest(str(row.get("request_id") or f"req-{i}"), int(_first(row, _INPUT)), int(_first(row, _OUTPUT)),
+                       (t - t0) * time_scale, group=str(row.get("group", "default")), index=i)
+            for i, (t, row) in enumerate(rows)]
+
+
+def _first(row: dict[str, Any], keys: Sequence[str]) -> Any:
+    return next((row[k] for k in keys if row.get(k) is not None), None)
+
+
+def from_bench_specs(specs: Sequence[Any], token_ids: Sequence[list[int]], offsets: Sequence[float] | None = None
+                     ) -> list[SimRequest]:
+    """The bench's own RequestSpecs with their prompts tokenized (exact prompts, prefix hits and all)."""
+    return [SimRequest(s.request_id, len(ids), s.max_tokens,
+                       offsets[i] if offsets is not None else (s.arrival_s or 0.0), group=s.group,
+                       prompt_token_ids=list(ids), index=i)
+            for i, (s, ids) in enumerate(zip(specs, token_ids))]

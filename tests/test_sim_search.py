@@ -1,0 +1,75 @@
+"""Deployment search: DistServe's goodput and Sarathi-Serve's capacity, named in the output."""
+
+from __future__ import annotations
+
+import pytest
+
+from phaselab.core.timing import RequestMetrics
+from phaselab.errors import ConfigError
+from phaselab.sim.catalog import get_hardware, get_model
+from phaselab.sim.loop import simulate
+from phaselab.sim.search import SLO, candidates, max_rate, random_workload_at, search
+
+
+def _m(ttft_s: float, gaps: list[float], reason: str = "length") -> RequestMetrics:
+    t = [1_000_000_000 + round(ttft_s * 1e9)]
+    for g in gaps:
+        t.append(t[-1] + round(g * 1e9))
+    return RequestMetrics(arrived_ns=1_000_000_000, queued_ns=1_000_000_000, first_scheduled_ns=1_000_000_000,
+                          token_sampled_ns=t, token_sent_ns=t, finished_ns=t[-1], finish_reason=reason,
+                          num_output_tokens=len(t))
+
+
+def test_goodput_is_distserves_attainment_of_both_slos():
+    reqs = [_m(0.1, [0.02] * 4), _m(0.5, [0.02] * 4), _m(0.1, [0.2] * 4), _m(0.1, [0.02], "error")]
+    slo = SLO("goodput", ttft_s=0.2, tpot_s=0.05, attainment=0.25)
+    ok, attainment = slo.check(reqs)
+    assert attainment == 0.25 and ok  # only the first meets both (a failed request misses)
+    assert not SLO("goodput", ttft_s=0.2, tpot_s=0.05, attainment=0.3).check(reqs)[0]
+    assert "DistServe" in slo.definition() and "200 ms" in slo.definition()
+
+
+def test_capacity_is_sarathis_p99_time_between_tokens():
+    reqs = [_m(0.1, [0.02] * 199 + [0.5]) for _ in range(3)]  # 0.5% of the gaps are long
+    ok, p99 = SLO("capacity", tbt_p99_s=0.1).check(reqs)
+    assert ok and p99 == pytest.approx(0.02)
+    ok, p99 = SLO("capacity", tbt_p99_s=0.1).check(reqs + [_m(0.1, [0.3] * 10)])
+    assert not ok
+    assert "Sarathi-Serve" in SLO("capacity").definition()
+    with pytest.raises(ConfigError):
+        SLO("speed")
+
+
+def test_candidates_fit_in_memory_and_in_the_gpu_budget():
+    model, hw = get_model("llama-3-70b"), get_hardware("h100")
+    deps = candidates(model, hw, max_gpus=8, tps=(1, 2, 4, 8), budgets=(2048,), policies=("chunked",), max_pool=2)
+    assert deps and all(d.num_gpus <= 8 for d in deps)
+    # 141 GB of weights: never on one or two 80 GB GPUs
+    assert all(rc.tp >= 4 for d in deps for _, _, rc in d.roles())
+    assert {d.mode for d in deps} == {"colocated", "disagg"}
+
+
+def test_search_ranks_by_rate_per_gpu_and_names_its_definition():
+    model, hw = get_model("llama-3-8b"), get_hardware("h100")
+    deps = candidates(model, hw, max_gpus=2, tps=(1,), budgets=(2048,), policies=("chunked",), max_pool=1)
+    assert [d.describe().split(":")[0] for d in deps] == ["1 x colocated (chunked, TP1) on h100",
+                                                          "disagg 1P (TP1, chunked) "]
+    slo = SLO("goodput", ttft_s=0.25, tpot_s=0.03, attainment=0.9)
+    result = search(deps, random_workload_at(80, "uniform:256:1024", "uniform:16:64", seed=0), slo,
+                    start_rate_per_gpu=4.0, num_bisections=3)
+    assert result.best is not None and all(c.rate > 0 for c in result.candidates)
+    ranked = result.ranked()
+    assert ranked[0].per_gpu >= ranked[1].per_gpu
+    out = result.to_json()
+    assert out["definition"].startswith("goodput (DistServe's definition)")
+    assert out["best"]["rate_per_gpu"] == pytest.approx(result.best.per_gpu)
+
+
+def test_max_rate_brackets_the_slo():
+    model, hw = get_model("llama-3-8b"), get_hardware("h100")
+    (d,) = candidates(model, hw, 1, modes=("colocated",), tps=(1,), budgets=(512,), policies=("chunked",))
+    workload = random_workload_at(60, "512", "32", seed=1)
+    slo = SLO("goodput", ttft_s=0.1, tpot_s=0.02, attainment=0.9)
+    c = max_rate(d, workload, slo, start_rate=2.0, num_bisections=4)
+    assert c.rate > 0 and c.figure >= 0.9
+    assert not slo.check(simulate(d, workload(c.rate * 3)).requests)[0]
