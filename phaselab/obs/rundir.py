@@ -14,6 +14,7 @@ rebuilds the dataclasses from their own fields (derived keys are recomputed, not
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -105,9 +106,16 @@ def _from_json(cls: type[_T], d: dict[str, Any]) -> _T:
     """Rebuild a dataclass from its own fields (typed through its annotations, nested dataclasses
     and lists of them included); unknown keys (derived values, "record") are ignored, missing
     ones keep their defaults, so older files stay readable as fields are added."""
-    hints = typing.get_type_hints(cls)
+    hints = _type_hints(cls)
     present = [f.name for f in dataclasses.fields(cls) if f.name in d]  # type: ignore[arg-type]
     return cls(**{name: _convert(hints[name], d[name]) for name in present})
+
+
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """Resolved annotations, once per class: get_type_hints re-evaluates them on every call, which
+    dominated reading a run of tens of thousands of iterations."""
+    return typing.get_type_hints(cls)
 
 
 def _convert(hint: Any, value: Any) -> Any:
