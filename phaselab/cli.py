@@ -26,8 +26,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         if f.type in ("bool", bool):
             g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
         elif f.name in ("max_model_len", "max_num_batched_tokens", "num_threads", "max_num_seqs", "block_size",
-                        "long_prefill_token_threshold", "max_num_partial_prefills", "seed"):
+                        "long_prefill_token_threshold", "max_num_partial_prefills", "seed",
+                        "prefill_workers", "decode_workers", "prefill_threads", "decode_threads"):
             g.add_argument(flag, type=int, default=f.default, help=help_text)
+        elif f.name == "mode":
+            g.add_argument(flag, choices=["colocated", "disagg"], default=f.default, help=help_text)
+        elif f.name == "kv_transport":
+            g.add_argument(flag, choices=["ray-object-store", "ray-actor"], default=f.default, help=help_text)
+        elif f.name == "routing_policy":
+            g.add_argument(flag, choices=["least-outstanding", "round-robin"], default=f.default, help=help_text)
         elif f.name == "policy":
             g.add_argument(flag, choices=["chunked", "prefill-first"], default=f.default, help=help_text)
         elif f.name == "dtype":
@@ -99,19 +106,34 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: info)")
     _add_engine_args(srv)
-    from phaselab.bench.cli import add_bench_parser  # no torch: the bench measures over HTTP only
+    # none of these imports torch: the bench measures over HTTP, analysis reads run directories,
+    # the simulator drives core's scheduler on a virtual clock
+    from phaselab.analysis.cli import add_analysis_parsers
+    from phaselab.bench.cli import add_bench_parser
+    from phaselab.sim.cli import add_simulate_parser
 
     add_bench_parser(sub)
+    add_analysis_parsers(sub)
+    add_simulate_parser(sub)
     return parser
+
+
+def _prompt_ids(tok, ns: argparse.Namespace) -> list[int]:  # type: ignore[no-untyped-def]
+    """The prompt as token ids: wrapped in the chat template unless --raw or the model has none."""
+    if ns.raw or tok.chat_template is None:
+        return tok.encode(ns.prompt)
+    text = tok.apply_chat_template([{"role": "user", "content": ns.prompt}], add_generation_prompt=True)
+    return tok.encode(text, add_special_tokens=False)
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     _set_threads(ns)
     from phaselab.config import runtime_settings
-    from phaselab.core.sampling_params import SamplingParams
     from phaselab.engine.engine import LLMEngine
 
     t0 = time.monotonic()
+    if ns.mode == "disagg":
+        return _generate_disagg(ns, t0)
     print("loading the model ...", file=sys.stderr, flush=True)
     engine = LLMEngine(_engine_args(ns))
     cfg = engine.model_config
@@ -120,17 +142,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
         file=sys.stderr, flush=True,
     )
-    tok = engine.tokenizer
-    if ns.raw or tok.chat_template is None:
-        prompt_ids = tok.encode(ns.prompt)
-    else:
-        text = tok.apply_chat_template([{"role": "user", "content": ns.prompt}], add_generation_prompt=True)
-        prompt_ids = tok.encode(text, add_special_tokens=False)
-    params = SamplingParams(
-        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.sampling_seed,
-        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
-    )
-    rid = engine.add_request(prompt_ids, params)
+    prompt_ids = _prompt_ids(engine.tokenizer, ns)
+    rid = engine.add_request(prompt_ids, _sampling_params(ns))
     detok = engine.tracked(rid).detok  # type: ignore[union-attr]
     last = None
     while engine.has_unfinished_requests():
@@ -154,6 +167,55 @@ def cmd_generate(ns: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _sampling_params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from phaselab.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.sampling_seed,
+        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )
+
+
+def _generate_disagg(ns: argparse.Namespace, t0: float) -> int:
+    """`generate --mode disagg`: the same prompt through prefill and decode workers on Ray."""
+    from phaselab.disagg.router import DisaggEngine
+
+    print(f"starting {ns.prefill_workers} prefill + {ns.decode_workers} decode workers on Ray ...",
+          file=sys.stderr, flush=True)
+    engine = DisaggEngine(_engine_args(ns))
+    try:
+        workers = ", ".join(f"{w.name} ({w.info.run_config['machine']['torch_num_threads']} threads)"
+                            for w in engine.workers.values() if w.info is not None)
+        print(f"workers ready in {time.monotonic() - t0:.1f}s: {workers}; KV transport {ns.kv_transport}",
+              file=sys.stderr, flush=True)
+        prompt_ids = _prompt_ids(engine.tokenizer, ns)
+        engine.add_request(prompt_ids, _sampling_params(ns))
+        last, printed = None, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                sys.stdout.write(out.text[printed:])  # cumulative text; held-back stop-string chars come later
+                sys.stdout.flush()
+                printed, last = len(out.text), out
+        sys.stdout.write("\n")
+        if ns.record:
+            engine.write_record(ns.record)
+            print(f"run directory written to {ns.record} (open trace.json in https://ui.perfetto.dev)",
+                  file=sys.stderr)
+        if last is not None:
+            m = last.metrics
+            if last.finish_reason == "error":
+                print(f"phaselab: error: {last.outputs[0].error}", file=sys.stderr)
+                return 1
+            transfer = (f"; KV {m.kv_transfer_bytes / 2**20:.1f} MiB moved in {m.transfer_s * 1e3:.1f} ms "
+                        f"({m.worker} -> {m.decode_worker})" if m.transfer_s else "")
+            print(f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} "
+                  f"tokens; TTFT {(m.ttft_s or 0) * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
+                  f"{transfer}]", file=sys.stderr)
+        return 0
+    finally:
+        engine.shutdown()
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -188,6 +250,14 @@ def main(argv: list[str] | None = None) -> int:
             from phaselab.bench.cli import run_bench
 
             return run_bench(ns)
+        if ns.command in ("diagnose", "timeline", "compare"):
+            from phaselab.analysis.cli import run_analysis
+
+            return run_analysis(ns)
+        if ns.command == "simulate":
+            from phaselab.sim.cli import run_simulate
+
+            return run_simulate(ns)
     except PhaselabError as e:
         print(f"phaselab: error: {e}", file=sys.stderr)
         return 2

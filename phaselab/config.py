@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from phaselab.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
+MODES = ("colocated", "disagg")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -45,11 +46,24 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of identical prefixes"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded requests' random draws"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
+    # -- deployment (docs/disaggregation.md) --
+    mode: str = field(default="colocated", metadata={"help": "colocated (one engine) | disagg (prefill and decode worker pools on Ray)"})
+    prefill_workers: int = field(default=1, metadata={"help": "disagg: prefill workers (Ray actors)"})
+    decode_workers: int = field(default=1, metadata={"help": "disagg: decode workers (Ray actors)"})
+    prefill_threads: int | None = field(default=None, metadata={"help": "disagg: torch threads per prefill worker (default: cores / workers, at least 1)"})
+    decode_threads: int | None = field(default=None, metadata={"help": "disagg: torch threads per decode worker (default: cores / workers, at least 1)"})
+    ray_address: str | None = field(default=None, metadata={"help": "disagg: join this Ray cluster (default: start Ray locally on demand)"})
+    kv_transport: str = field(default="ray-object-store", metadata={"help": "disagg: how KV blocks travel: ray-object-store (copied into Ray's object store when the prefill parks) | ray-actor (the decode worker pulls them from the prefill actor)"})
+    routing_policy: str = field(default="least-outstanding", metadata={"help": "disagg: worker choice per request: least-outstanding | round-robin"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
         parse_bytes(self.kv_cache_memory)
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.prefill_workers < 1 or self.decode_workers < 1:
+            raise ConfigError("disagg needs at least one prefill worker and one decode worker")
 
     @classmethod
     def field_help(cls) -> dict[str, str]:

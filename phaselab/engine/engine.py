@@ -134,6 +134,9 @@ class LLMEngine:
         # iteration records, modeled costs, Prometheus, and the finished requests kept for the run
         # directory; off only to measure what recording costs (benchmarks/record_overhead.py)
         self.recording = True
+        # Off in disaggregated workers: their requests' one record is assembled by the router, so a
+        # worker neither keeps finished requests nor observes request metrics (iterations still are).
+        self.record_requests = True
         self.iterations: list[IterationRecord] = []
         self.finished_requests: list[RequestMetrics] = []
         self.metrics = EngineMetrics(labels={"worker": worker, "role": role})
@@ -180,7 +183,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrived_ns: int | None = None,
+        *,
+        prefill_only: bool = False,
+        output_token_ids: list[int] | None = None,
     ) -> str:
+        """Queue a request. Disaggregated serving adds two options: `prefill_only` parks the
+        request (blocks kept, see Scheduler.parked) once its prefill sampled a token, and
+        `output_token_ids` resumes a request whose first outputs were sampled elsewhere: prompt
+        + outputs are recomputed, then the next token is sampled (as after a preemption)."""
         arrived_ns = arrived_ns or time.monotonic_ns()
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
@@ -191,17 +201,73 @@ class LLMEngine:
         self.validate_prompt(prompt_ids)
         request = Request(
             request_id, prompt_ids, params, arrival_time=arrived_ns / 1e9,
-            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len, prefill_only=prefill_only,
         )
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+        if output_token_ids:
+            for token_id in output_token_ids:
+                request.append_output_token(token_id)
+            detok.update(list(output_token_ids))
         self.scheduler.add_request(request)
         metrics = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=time.monotonic_ns(),
                                  request_id=request_id, num_prompt_tokens=len(prompt_ids), worker=self.worker)
         self._tracked[request_id] = _Tracked(
-            request, prompt if isinstance(prompt, str) else None,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, params), metrics,
+            request, prompt if isinstance(prompt, str) else None, detok, metrics,
             [] if params.logprobs is not None else None,
         )
         return request_id
+
+    # -- disaggregated serving: the decode side's admission, the prefill side's release ------------
+    def add_prefilled_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        params: SamplingParams,
+        kv: torch.Tensor,
+        metrics: RequestMetrics,
+    ) -> bool:
+        """Admit a request whose K/V (of prompt + outputs but the last) come from a prefill
+        worker: allocate its blocks, write `kv` (shaped like ModelRunner.read_blocks' result) into
+        them, and continue decoding it from the next step. False, changing nothing, when it cannot
+        be admitted now (no free blocks or seat: backpressure, retry later). Between steps only.
+        `metrics` becomes this engine's record of the request (the caller pre-stamps it)."""
+        assert isinstance(self.executor, ModelRunner), "add_prefilled_request needs the local torch runner"
+        self.validate_prompt(prompt_token_ids)
+        request = Request(
+            request_id, prompt_token_ids, params, arrival_time=metrics.arrived_ns / 1e9,
+            eos_token_ids=self.eos_token_ids, max_model_len=self.max_model_len,
+        )
+        for token_id in output_token_ids:
+            request.append_output_token(token_id)
+        if request_id in self._tracked:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        block_ids = self.scheduler.add_prefilled_request(request)
+        if block_ids is None:
+            return False
+        self.executor.write_blocks(block_ids, kv)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+        detok.update(list(output_token_ids))
+        self._tracked[request_id] = _Tracked(
+            request, None, detok, metrics, [] if params.logprobs is not None else None)
+        return True
+
+    def is_parked(self, request_id: str) -> bool:
+        return request_id in self.scheduler.parked
+
+    def parked_block_ids(self, request_id: str) -> list[int]:
+        """The block table of a parked request (its K/V: prompt + outputs but the last token)."""
+        assert request_id in self.scheduler.parked, f"{request_id} is not parked"
+        return list(self.scheduler.kv_cache_manager.req_to_blocks[request_id])
+
+    def release_parked(self, request_id: str) -> bool:
+        """Free a parked request's blocks (its KV reached a decode worker, or its lease ended) and
+        forget it without a record or an output. False if it is not parked here."""
+        if request_id not in self.scheduler.parked:
+            return False
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+        self._tracked.pop(request_id, None)
+        return True
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort in any phase; blocks are freed now, the executor drops its state next step."""
@@ -311,7 +377,7 @@ class LLMEngine:
 
     def _close_record(self, m: RequestMetrics, finished_ns: int) -> None:
         m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
-        if self.recording:
+        if self.recording and self.record_requests:
             self.metrics.observe_finished(m)
             self.finished_requests.append(m)
 

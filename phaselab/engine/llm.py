@@ -38,7 +38,20 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", kv_cache_memory: str | int = "2GiB",
                  **engine_options: Any) -> None:
+        if engine_options.get("mode") == "disagg":  # prefill/decode worker pools on Ray (docs/disaggregation.md)
+            from phaselab.disagg.router import DisaggEngine
+
+            disagg_config = engine_options.pop("disagg_config", None)
+            self.engine = DisaggEngine(  # type: ignore[assignment]
+                EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory, **engine_options), disagg_config)
+            return
         self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory, **engine_options))
+
+    def shutdown(self) -> None:
+        """Stop the workers of a disaggregated engine (nothing to do for a colocated one)."""
+        stop = getattr(self.engine, "shutdown", None)
+        if stop is not None:
+            stop()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:

@@ -453,7 +453,14 @@ def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", 
 
     from phaselab.engine.engine import LLMEngine
 
-    state = ServerState(config, EngineThread(lambda: LLMEngine(engine_args)))
+    def make_engine() -> Any:
+        if getattr(engine_args, "mode", "colocated") == "disagg":  # prefill/decode workers on Ray
+            from phaselab.disagg.router import DisaggEngine
+
+            return DisaggEngine(engine_args)
+        return LLMEngine(engine_args)
+
+    state = ServerState(config, EngineThread(make_engine))
     app = create_app(state)
 
     class Server(uvicorn.Server):

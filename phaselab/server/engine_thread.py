@@ -245,6 +245,12 @@ class EngineThread:
             self._flush()
         if self._dead:
             self._serve_dead()
+        shutdown = getattr(engine, "shutdown", None)  # e.g. disagg: stop the Ray workers
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # noqa: BLE001 - stopping anyway
+                logger.exception("engine shutdown failed")
         self._flush(status=(STOPPED, self.error) if not self._dead else None)
 
     def _serve_dead(self) -> None:
@@ -338,6 +344,7 @@ class EngineThread:
                 num_prompt_tokens=len(out.prompt_token_ids),
                 num_cached_tokens=out.num_cached_tokens,
                 metrics=out.metrics,
+                error=getattr(c, "error", None) if out.finished else None,  # e.g. disagg: no decode worker left
             )
             route.num_tokens, route.num_chars = len(c.token_ids), len(text)
             if out.finished:

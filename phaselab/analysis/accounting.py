@@ -1,0 +1,270 @@
+"""Where the users' time went: every request's end-to-end time cut into causes that sum to it.
+
+    arrived ─ tokenize/admission ─ queue ─ prefill (chunks + waits) ─ [transfer] ─ first token sent
+      ─ gap 1 ─ gap 2 ─ ... ─ gap n-1 ─ finished          (gaps: between consecutive sent tokens)
+
+TTFT is tiled by `RequestMetrics.ttft_components_ns()` (docs/metrics.md); each phase maps to one
+cause. Each later gap is cut in this order:
+
+1. **transfer**: the part of the gap inside the request's KV transfer window (transfer queued ->
+   decode admitted). Disaggregated serving streams the first token from the prefill worker, so the
+   transfer usually sits in gap 1, not in TTFT.
+2. **stall / preemption**: the excess of the gap over the request's own baseline pace (the median
+   of its *clean* gaps: gaps whose iterations carried no other request's prefill and none of its
+   own recomputation), when the gap's iterations carried another request's prefill tokens (stall)
+   or its own recomputation after a preemption (preemption). The stall excess is capped by the
+   durations of those prefill-carrying iterations.
+3. **decode-kv / decode-step**: the rest, split by the MODELED bytes of the iteration that
+   sampled the token: KV-cache reads / all bytes (weights, KV read, KV written) go to decode-kv,
+   the rest to decode-step. Under the memory-bound model of a decode step this is the time the
+   history costs versus the time the weights cost. Without iteration records (a client's run)
+   the rest stays unsplit in `decode`.
+
+The iterations "in a gap" are those of the worker that sampled the token with ids in
+(iteration of the previous token, iteration of this token]: exact, because a worker's iteration
+ids are one counter. After the last token, the tail up to `finished` is overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from phaselab.analysis.stats import median
+from phaselab.core.timing import IterationRecord, RequestMetrics
+
+# Causes in the order they are presented; their seconds sum to a request's E2E.
+CAUSES = ("queue", "prefill", "transfer", "stall", "preemption", "decode-kv", "decode-step", "decode", "overhead")
+
+# TTFT phase (core.timing.TTFT_COMPONENTS) -> cause
+TTFT_CAUSE = {
+    "tokenize": "overhead", "admission": "overhead", "queue": "queue",
+    "schedule_to_prefill": "prefill", "prefill_compute": "prefill", "prefill_wait": "prefill",
+    "post_prefill": "prefill", "transfer_queue": "transfer", "transfer": "transfer",
+    "decode_admission": "transfer", "delivery": "overhead",
+}
+
+STALL_FACTOR = 3.0  # a gap longer than 3 x the stream's baseline is a stall (as `phaselab bench`)
+
+
+@dataclass
+class Gap:
+    """One gap between consecutive sent tokens of a request that the accounting looked into."""
+
+    request_id: str
+    worker: str
+    token_index: int  # the gap ends when this token was sent (1 = the gap after the first token)
+    start_ns: int
+    end_ns: int
+    baseline_s: float
+    excess_s: float  # attributed to stall (or preemption)
+    cause: str  # "stall" | "preemption"
+    iteration_ids: list[int] = field(default_factory=list)  # iterations in the gap that caused it
+    culprits: dict[str, int] = field(default_factory=dict)  # request -> prefill tokens in them
+
+    @property
+    def gap_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+    def is_stall(self, factor: float = STALL_FACTOR) -> bool:
+        return self.cause == "stall" and self.gap_s > factor * self.baseline_s
+
+
+@dataclass
+class RequestAccount:
+    request_id: str
+    e2e_s: float
+    ttft_s: float | None
+    parts: dict[str, float]  # cause -> seconds; sums to e2e_s
+    gaps: list[Gap] = field(default_factory=list)  # gaps with a stall or preemption excess
+
+
+@dataclass
+class RunAccount:
+    requests: list[RequestAccount]
+    totals: dict[str, float]  # cause -> seconds summed over requests
+    total_s: float  # sum of E2E
+    decode_split: bool  # decode time split into decode-kv / decode-step (iteration records exist)
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return {c: (v / self.total_s if self.total_s > 0 else 0.0) for c, v in self.totals.items()}
+
+    @property
+    def gaps(self) -> list[Gap]:
+        return [g for r in self.requests for g in r.gaps]
+
+
+class IterationIndex:
+    """Iterations by (worker, id), plus what each carried."""
+
+    def __init__(self, iterations: Iterable[IterationRecord]) -> None:
+        self.by_key: dict[tuple[str, int], IterationRecord] = {(r.worker, r.iteration_id): r for r in iterations}
+        self.ids: dict[str, list[int]] = {}
+        for worker, iid in sorted(self.by_key):
+            self.ids.setdefault(worker, []).append(iid)
+        # the requests each iteration prefilled (computed once: a batch can hold hundreds of chunks)
+        self.prefilled: dict[int, frozenset[str]] = {
+            id(r): frozenset(c.request_id for c in r.chunks if c.is_prefill) for r in self.by_key.values()}
+
+    def get(self, worker: str, iteration_id: int) -> IterationRecord | None:
+        return self.by_key.get((worker, iteration_id))
+
+    def between(self, worker: str, after_id: int, upto_id: int) -> list[IterationRecord]:
+        """Recorded iterations of `worker` with after_id < id <= upto_id."""
+        import bisect
+
+        ids = self.ids.get(worker, [])
+        lo = bisect.bisect_right(ids, after_id)
+        hi = bisect.bisect_right(ids, upto_id)
+        return [self.by_key[(worker, i)] for i in ids[lo:hi]]
+
+    def __bool__(self) -> bool:
+        return bool(self.by_key)
+
+
+def kv_fraction(rec: IterationRecord) -> float:
+    """MODELED share of an iteration's bytes that are KV-cache reads."""
+    total = rec.modeled.total_bytes
+    return rec.modeled.kv_read_bytes / total if total > 0 else 0.0
+
+
+def _sent(m: RequestMetrics) -> list[int]:
+    return m.token_sent_ns or m.token_sampled_ns
+
+
+def _token_worker(m: RequestMetrics, k: int) -> str:
+    return m.decode_worker if (m.decode_worker and k >= 1) else m.worker
+
+
+def _overlap(a0: int, a1: int, b0: int, b1: int) -> int:
+    return max(0, min(a1, b1) - max(a0, b0))
+
+
+def _transfer_window(m: RequestMetrics) -> tuple[int, int] | None:
+    start = m.kv_transfer_queued_ns or m.kv_transfer_start_ns
+    end = m.decode_admitted_ns or m.kv_transfer_end_ns
+    if start is None or end is None or end <= start:
+        return None
+    return start, end
+
+
+@dataclass
+class _GapView:
+    k: int
+    start_ns: int
+    end_ns: int
+    worker: str
+    transfer_ns: int
+    iters: list[IterationRecord]  # iterations in the gap (same worker for both tokens), else []
+    other_prefill: list[IterationRecord]
+    own_recompute: bool
+    sampler: IterationRecord | None  # the iteration that sampled token k
+
+    @property
+    def clean(self) -> bool:
+        return bool(self.iters) and not self.other_prefill and not self.own_recompute and self.transfer_ns == 0
+
+
+def _gap_views(m: RequestMetrics, index: IterationIndex) -> list[_GapView]:
+    ts = _sent(m)
+    its = m.token_iteration_ids
+    window = _transfer_window(m)
+    views = []
+    for k in range(1, len(ts)):
+        a, b = ts[k - 1], ts[k]
+        transfer_ns = _overlap(a, b, *window) if window else 0
+        worker = _token_worker(m, k)
+        iters: list[IterationRecord] = []
+        sampler = None
+        if index and k < len(its) and _token_worker(m, k - 1) == worker:
+            iters = index.between(worker, its[k - 1], its[k])
+        if index and k < len(its):
+            sampler = index.get(worker, its[k])
+        rid = m.request_id
+        other = [r for r in iters if index.prefilled[id(r)] - {rid}]
+        own = any(rid in index.prefilled[id(r)] for r in iters)
+        own = own or any(a < t <= b for t in m.preempted_ns)
+        views.append(_GapView(k, a, b, worker, transfer_ns, iters, other, own, sampler))
+    return views
+
+
+def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: dict[str, float],
+                    views: list[_GapView] | None = None) -> RequestAccount:
+    parts = dict.fromkeys(CAUSES, 0.0)
+    ts = _sent(m)
+    end_ns = m.finished_ns if m.finished_ns is not None else (ts[-1] if ts else m.arrived_ns)
+    e2e = max(0, end_ns - m.arrived_ns) / 1e9
+    ttft = m.ttft_s
+    if not ts:  # never produced a token (aborted, failed): its time up to the end
+        spent = 0.0
+        if m.queue_s is not None:
+            parts["queue"] = min(m.queue_s, e2e)
+            spent = parts["queue"]
+        if m.prefill_chunks:
+            parts["prefill"] = min(m.prefill_compute_s, e2e - spent)
+            spent += parts["prefill"]
+        parts["overhead"] = e2e - spent
+        return RequestAccount(m.request_id, e2e, ttft, parts)
+
+    for phase, ns in m.ttft_components_ns().items():
+        parts[TTFT_CAUSE[phase]] += ns / 1e9
+    views = _gap_views(m, index) if views is None else views
+    clean = [(v.end_ns - v.start_ns) / 1e9 for v in views if v.clean]
+    own_median = median([(v.end_ns - v.start_ns - v.transfer_ns) / 1e9 for v in views if v.iters])
+    gaps: list[Gap] = []
+    split = bool(index)
+    for v in views:
+        gap = (v.end_ns - v.start_ns) / 1e9
+        transfer = v.transfer_ns / 1e9
+        parts["transfer"] += transfer
+        rest = gap - transfer
+        baseline: float = (median(clean) if clean else worker_baseline.get(v.worker, own_median or rest)) or 0.0
+        excess = max(0.0, rest - baseline)
+        if excess > 0 and v.own_recompute:
+            parts["preemption"] += excess
+            gaps.append(Gap(m.request_id, v.worker, v.k, v.start_ns, v.end_ns, baseline, excess, "preemption",
+                            [r.iteration_id for r in v.iters]))
+            rest -= excess
+        elif excess > 0 and v.other_prefill:
+            excess = min(excess, sum(r.duration_s for r in v.other_prefill))
+            culprits: dict[str, int] = {}
+            for r in v.other_prefill:
+                for c in r.chunks:
+                    if c.is_prefill and c.request_id != m.request_id:
+                        culprits[c.request_id] = culprits.get(c.request_id, 0) + c.num_tokens
+            parts["stall"] += excess
+            gaps.append(Gap(m.request_id, v.worker, v.k, v.start_ns, v.end_ns, baseline, excess, "stall",
+                            [r.iteration_id for r in v.other_prefill], culprits))
+            rest -= excess
+        if not split:
+            parts["decode"] += rest
+        else:
+            f = kv_fraction(v.sampler) if v.sampler is not None else 0.0
+            parts["decode-kv"] += rest * f
+            parts["decode-step"] += rest * (1 - f)
+    parts["overhead"] += max(0, end_ns - ts[-1]) / 1e9
+    return RequestAccount(m.request_id, e2e, ttft, parts, gaps)
+
+
+def worker_baselines(views: Iterable[list[_GapView]]) -> dict[str, float]:
+    """Per worker, the median clean gap over all its requests (the fallback baseline of a request
+    that never had a clean gap of its own)."""
+    per: dict[str, list[float]] = {}
+    for request_views in views:
+        for v in request_views:
+            if v.clean:
+                per.setdefault(v.worker, []).append((v.end_ns - v.start_ns) / 1e9)
+    return {w: float(median(vs) or 0.0) for w, vs in per.items()}
+
+
+def account_run(requests: list[RequestMetrics], iterations: list[IterationRecord]) -> RunAccount:
+    index = IterationIndex(iterations)
+    views = [_gap_views(m, index) for m in requests]
+    baselines = worker_baselines(views)
+    accounts = [account_request(m, index, baselines, v) for m, v in zip(requests, views)]
+    totals = dict.fromkeys(CAUSES, 0.0)
+    for a in accounts:
+        for c, v in a.parts.items():
+            totals[c] += v
+    return RunAccount(accounts, totals, sum(a.e2e_s for a in accounts), bool(index))

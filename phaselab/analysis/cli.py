@@ -1,0 +1,134 @@
+"""The `diagnose`, `timeline` and `compare` subcommands (docs/analysis.md).
+
+phaselab/cli.py adds them with `add_analysis_parsers(sub)` and dispatches with `run_analysis(ns)`;
+`python -m phaselab.analysis.cli COMMAND ...` runs the same without the rest of the CLI. Building
+the parsers imports nothing heavy (no torch, no matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+COMMANDS = ("diagnose", "timeline", "compare")
+
+
+def add_analysis_parsers(subparsers: Any) -> None:
+    d = subparsers.add_parser(
+        "diagnose", help="which phase is slow, why, and what would fix it (a run directory)",
+        description="Work through the symptom table on a run directory (phaselab generate/serve/compare --record, "
+                    "the simulator, or a `phaselab bench --record` client run against any server with its /metrics "
+                    "scrapes) and rank the causes with their evidence, the change each suggests and the number that "
+                    "would show it worked. Prints the diagnosis and writes diagnosis.md, diagnosis.html and "
+                    "diagnosis.json into the run directory.")
+    d.add_argument("run_dir", metavar="RUN_DIR", help="a phaselab run directory (or a bench client run directory)")
+    d.add_argument("--roofline", default=None,
+                   help="machine ceilings JSON from benchmarks/roofline.py (default: benchmarks/results/roofline.json "
+                        "when present, else documented assumed values)")
+    d.add_argument("--out", default=None, help="write the diagnosis files here instead of RUN_DIR")
+    d.add_argument("--no-write", action="store_true", help="print only; write no file")
+    d.add_argument("--json", action="store_true", help="print diagnosis.json instead of the text")
+
+    t = subparsers.add_parser(
+        "timeline", help="PNG and interactive HTML timeline of one or more runs (shared time axis)",
+        description="Draw one lane per worker (iterations coloured by prefill/decode token mix) and one lane per "
+                    "request (queue, prefill chunks, KV transfer, decode tokens, stalls marked). Several runs are "
+                    "drawn on one shared time axis.")
+    t.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories (two or more: drawn together)")
+    t.add_argument("--png", default=None, help="PNG path (default: RUN_DIR/timeline.png of the first run)")
+    t.add_argument("--html", default=None, help="HTML path (default: RUN_DIR/timeline.html of the first run)")
+    t.add_argument("--title", action="append", default=None, help="title of each run (repeat, in order)")
+
+    c = subparsers.add_parser(
+        "compare", help="prefill-first vs chunked vs disaggregated on the bundled model, explained",
+        description="Run the interference workload and an input-length sweep on the bundled model under "
+                    "prefill-first, chunked prefill (two budgets) and disaggregated 1P1D serving; print the tables "
+                    "side by side with the top diagnosis of each, and write report.html with the timelines.")
+    c.add_argument("--quick", action="store_true", help="smaller workloads (under 2 minutes on 2 cores)")
+    c.add_argument("--out", default=None, help="output directory (default: runs/compare-YYYYmmdd-HHMMSS)")
+    c.add_argument("--no-disagg", action="store_true", help="leave out the disaggregated configuration (no Ray)")
+    c.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    c.add_argument("--from", dest="from_dir", default=None, metavar="DIR",
+                   help="run nothing: re-diagnose the runs of an earlier compare in DIR and rewrite its report")
+
+
+def run_analysis(ns: argparse.Namespace) -> int:
+    if ns.command == "diagnose":
+        return _diagnose(ns)
+    if ns.command == "timeline":
+        return _timeline(ns)
+    if ns.command == "compare":
+        return _compare(ns)
+    raise AssertionError(ns.command)
+
+
+def _diagnose(ns: argparse.Namespace) -> int:
+    import json
+
+    from phaselab.analysis.diagnose import diagnose, diagnosis_text, write_diagnosis
+
+    diag = diagnose(ns.run_dir, roofline=ns.roofline)
+    if ns.json:
+        print(json.dumps(diag.to_json(), indent=2, default=str))
+    else:
+        sys.stdout.write(diagnosis_text(diag))
+    if not ns.no_write:
+        files = write_diagnosis(diag, ns.out or ns.run_dir)
+        print(f"wrote {files['md']}, {files['html'].name}, {files['json'].name}", file=sys.stderr)
+    return 0
+
+
+def _timeline(ns: argparse.Namespace) -> int:
+    from phaselab.analysis.timeline import write_timeline
+
+    first = Path(ns.run_dirs[0])
+    png = ns.png or str(first / "timeline.png")
+    page = ns.html or str(first / "timeline.html")
+    titles = ns.title
+    if titles is not None and len(titles) != len(ns.run_dirs):
+        print(f"phaselab timeline: error: {len(titles)} --title for {len(ns.run_dirs)} runs", file=sys.stderr)
+        return 2
+    out_png, out_html = write_timeline(ns.run_dirs, png, page, titles)
+    print(f"wrote {out_png} and {out_html}", file=sys.stderr)
+    return 0
+
+
+def _compare(ns: argparse.Namespace) -> int:
+    from phaselab.analysis.compare import run_compare
+    from phaselab.analysis.doc import render_text
+    from phaselab.analysis.report import compare_doc
+
+    if ns.from_dir:
+        from phaselab.analysis.compare import load_compare
+        from phaselab.analysis.report import write_compare_outputs
+
+        result = load_compare(ns.from_dir)
+        result.files = write_compare_outputs(result)
+    else:
+        out = ns.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
+        result = run_compare(out, quick=ns.quick, disagg=not ns.no_disagg, show_progress=not ns.no_progress)
+    sys.stdout.write(render_text(compare_doc(result)))
+    print(f"\nreport: {result.files['report']}  (timelines: {result.files.get('timeline_png')}, "
+          f"{result.files.get('timeline_html')})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="phaselab", description="phaselab analysis commands")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_analysis_parsers(sub)
+    ns = parser.parse_args(argv)
+    from phaselab.errors import PhaselabError
+
+    try:
+        return run_analysis(ns)
+    except PhaselabError as e:
+        print(f"phaselab: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Prometheus for disaggregated serving: the router's own counters, and one /metrics text merged
+from the router's and every live worker's registries.
+
+    router:   EngineMetrics{worker="router"}  request histograms of the one record per request
+              RouterMetrics                   failures, re-routes, re-prefills, transfer bandwidth
+    worker i: EngineMetrics{worker, role}     iterations, queues, KV usage (its own registry)
+              worker gauges/counters          busy ratio, leases, transfer queue, staged KV
+    /metrics = merge_exposition(all of them): one HELP/TYPE per family, samples told apart by labels
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from phaselab.obs.prometheus import BYTES_BUCKETS, STEP_SECONDS_BUCKETS
+
+BANDWIDTH_BUCKETS = tuple(float(2**k) for k in range(20, 38))  # 1 MiB/s .. 128 GiB/s
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.worker_failures = Counter(
+            "phaselab_disagg_worker_failures", "Workers declared dead (actor died, or silent past worker_timeout_s).",
+            ["worker", "role"], registry=r)
+        self.request_failures = Counter(
+            "phaselab_disagg_request_failures", "Requests that ended with an error, by cause.", ["cause"], registry=r)
+        self.reroutes = Counter(
+            "phaselab_disagg_reroutes", "Requests sent to another decode worker while the prefill worker still "
+            "held their KV (the first decode worker died before the transfer completed).", registry=r)
+        self.reprefills = Counter(
+            "phaselab_disagg_reprefills", "Requests prefilled again (prompt + tokens so far) because their KV or "
+            "their prefill worker was lost, by cause.", ["cause"], registry=r)
+        self.transfer_bandwidth = Histogram(
+            "phaselab_kv_transfer_bandwidth_bytes_per_second", "Per request: KV bytes / transfer time.",
+            registry=r, buckets=BANDWIDTH_BUCKETS)
+        self.decode_admission_wait = Histogram(
+            "phaselab_decode_admission_wait_seconds", "KV transfer end -> decode admitted (backpressure).",
+            registry=r, buckets=STEP_SECONDS_BUCKETS)
+        self.transfer_queue = Histogram(
+            "phaselab_kv_transfer_queue_seconds", "First token sampled -> KV transfer start.",
+            registry=r, buckets=STEP_SECONDS_BUCKETS)
+        self.transfer_bytes_total = Counter(
+            "phaselab_kv_transfer_bytes_moved", "KV bytes moved between workers.", registry=r)
+        assert BYTES_BUCKETS  # the per-request bytes histogram lives in EngineMetrics
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MergedEngineMetrics:
+    """Stands where an engine's `metrics` stands (the server renders it for /metrics): the
+    router's EngineMetrics (its gauges included) whose render() also merges the RouterMetrics
+    and the latest text of every worker (refreshed by the router in the background)."""
+
+    def __init__(self, engine_metrics: Any, router_metrics: RouterMetrics) -> None:
+        self.engine_metrics = engine_metrics
+        self.router_metrics = router_metrics
+        self.worker_texts: dict[str, bytes] = {}
+
+    def __getattr__(self, name: str) -> Any:  # gauges, histograms, observe_*: the router's EngineMetrics
+        return getattr(self.engine_metrics, name)
+
+    def render(self) -> bytes:
+        texts = [self.engine_metrics.render(), self.router_metrics.render(), *self.worker_texts.values()]
+        return merge_exposition(texts)
+
+
+class _Families:
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
+
+
+def merge_exposition(texts: list[bytes]) -> bytes:
+    """Several Prometheus text expositions as one: samples of one family (same name) from all
+    sources under a single HELP/TYPE (concatenating the texts would repeat them, which strict
+    parsers refuse)."""
+    families: dict[str, Any] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode("utf-8")):
+            if family.name in families:
+                families[family.name].samples.extend(family.samples)
+            else:
+                families[family.name] = family
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))  # type: ignore[arg-type]
+    return generate_latest(registry)

@@ -1,0 +1,791 @@
+"""The router of disaggregated serving: LLMEngine's surface over prefill and decode worker pools.
+
+    add_request ─▶ pick a prefill worker (core/routing) ─▶ RequestSpec
+    step():  poll every worker (one outstanding Ray call each) ─▶ events
+             prefill TokenEvent: stream the first token now; parked? pick a decode worker ─▶ TransferSpec
+             decode TransferEvent / AdmittedEvent / TokenEvent: transfer stamps, tokens, finish
+             a worker that died (or stayed silent) ─▶ re-route / re-prefill / fail its requests
+             ─▶ RequestOutputs of the requests that progressed (as LLMEngine.step returns them)
+
+Per request, in the router:
+
+    prefill ──first token (streamed)──▶ decode ──tokens (streamed)──▶ finished
+       ▲  │ prefill worker died               │ decode worker died, KV still leased on the prefill
+       │  └─▶ re-prefill elsewhere            │   worker ─▶ re-route to another decode worker
+       │                                      │ KV lost (decode died after the transfer, lease
+       └──────── re-prefill (prompt + tokens ◀┘   expired, prefill worker gone before the fetch)
+                 streamed so far; the next token is sampled there)
+
+A request fails with a clear error only when no worker of the role it needs is left, when
+`recover_lost_kv` is off and its KV was lost, when the decode pool stays full past
+`decode_admission_timeout_s`, or when it outlives `request_timeout_s`. Every wait is bounded.
+
+The router keeps the one phase record per request (core/timing.RequestMetrics): its own arrival
+and tokenization, the prefill worker's queue/prefill/first token, the decode worker's transfer,
+admission and tokens, all converted to the router's clock with the offset measured at the
+handshake (0 on one host: monotonic_ns is system-wide there), and the send times it stamps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaselab.config import EngineArgs
+from phaselab.core.outputs import TokenLogprobs
+from phaselab.core.routing import RoutingPolicy, WorkerLoad, make_routing_policy
+from phaselab.core.sampling_params import SamplingParams
+from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics
+from phaselab.disagg.config import DisaggConfig
+from phaselab.disagg.connector import KVSource, handshake
+from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics, merge_exposition
+from phaselab.disagg.protocol import (
+    AdmittedEvent,
+    FailureEvent,
+    RequestSpec,
+    TokenEvent,
+    TransferEvent,
+    TransferSpec,
+    WorkerReport,
+)
+from phaselab.disagg.worker import (
+    DisaggWorker,
+    WorkerHandle,
+    _boot_id,
+    checkpoint_to_wire,
+    worker_env,
+)
+from phaselab.engine.outputs import CompletionOutput, RequestOutput
+from phaselab.errors import ConfigError, InvalidRequestError
+from phaselab.obs.prometheus import EngineMetrics
+from phaselab.obs.rundir import write_run_dir
+
+logger = logging.getLogger("phaselab.disagg")
+
+# Ray's core installs an absl failure-signal handler in the driver that logs a stack and re-raises
+# SIGTERM: a server then sees two SIGTERMs (drain, then abort) and may exit by SIGABRT. Read when
+# `ray` is imported, so set before the first import (ray is imported lazily below).
+os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
+
+
+def ensure_ray(address: str | None, config: DisaggConfig) -> None:
+    """Join `address`, or start Ray locally (small object store, no dashboard) unless running."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        # "local": a new instance of our own, never a cluster someone else started on this machine
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=config.object_store_memory,
+                 include_dashboard=False, log_to_driver=True)
+
+
+@dataclass
+class _Request:
+    """The router's state of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+    metrics: RequestMetrics
+    deadline_ns: int | None
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] | None = None
+    phase: str = "prefill"  # "prefill" | "decode" | "finished"
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    kv: KVSource | None = None  # its KV, leased on a prefill worker, until a decode worker acked it
+    loads: dict[str, int] = field(default_factory=dict)  # worker -> tokens counted in its WorkerLoad
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    dirty: bool = False
+    num_reprefills: int = 0
+    num_reroutes: int = 0
+    attempt: int = 0  # a new one at every routing (DisaggEngine._next_attempt); workers tag their events with it
+    sampler_state: bytes | None = None  # random generator after the prefill's draw (travels with the KV)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class DisaggEngine:
+    """Disaggregated prefill/decode serving with LLMEngine's methods (add_request, step,
+    abort_request, has_unfinished_requests, tokenizer, write_record), so `LLM` and the CLI drive
+    it unchanged. `prefill_overrides` / `decode_overrides` change EngineArgs fields per pool
+    (e.g. policy, budget, KV memory: each pool is tuned on its own). `checkpoint`: an already
+    loaded LoadedCheckpoint, shared with the workers through the object store (loaded once)."""
+
+    def __init__(
+        self,
+        args: EngineArgs | None = None,
+        config: DisaggConfig | None = None,
+        *,
+        prefill_policy: RoutingPolicy | None = None,
+        decode_policy: RoutingPolicy | None = None,
+        prefill_overrides: dict[str, Any] | None = None,
+        decode_overrides: dict[str, Any] | None = None,
+        checkpoint: Any = None,
+    ) -> None:
+        import ray
+
+        self.args = args = args or EngineArgs(mode="disagg")
+        self.config = config = config or DisaggConfig()
+        self.prefill_policy = prefill_policy or make_routing_policy(args.routing_policy)
+        self.decode_policy = decode_policy or make_routing_policy(args.routing_policy)
+        self.worker, self.role = "router", "router"
+        self.stamp_sent = True
+        self.recording = True
+        self.finished_requests: list[RequestMetrics] = []
+        self.iterations: list[IterationRecord] = []
+        self.router_metrics = RouterMetrics()
+        # request metrics of the one record per request; render() merges every worker's registry too
+        self.metrics = MergedEngineMetrics(EngineMetrics(labels={"worker": "router", "role": "router"}),
+                                           self.router_metrics)
+        self._metrics_refs: dict[str, Any] = {}
+        self._metrics_refreshed_ns = 0
+        self._requests: dict[str, _Request] = {}
+        self._awaiting_delivery: dict[str, RequestMetrics] = {}
+        self._next_id = 0
+        self._attempt_seq = 0
+        self._boot_id = _boot_id()
+
+        from phaselab.model.loader import default_model_path
+        from phaselab.model.tokenizer import load_tokenizer
+
+        if checkpoint is not None:
+            self.tokenizer = checkpoint.tokenizer
+        else:
+            self.tokenizer = load_tokenizer(args.tokenizer or args.model or default_model_path())
+        self._owns_ray = not ray.is_initialized()  # started here: shut down with the engine
+        ensure_ray(args.ray_address, config)
+        ckpt_ref = None
+        if checkpoint is not None:
+            ckpt_ref = ray.put(checkpoint_to_wire(checkpoint))
+        cores = os.cpu_count() or 1
+        num_workers = args.prefill_workers + args.decode_workers
+        default_threads = max(1, cores // num_workers)
+        self.workers: dict[str, WorkerHandle] = {}
+        remote_cls = ray.remote(DisaggWorker)
+        for role, count, threads, overrides, resources in (
+            ("prefill", args.prefill_workers, args.prefill_threads, prefill_overrides, config.prefill_resources),
+            ("decode", args.decode_workers, args.decode_threads, decode_overrides, config.decode_resources),
+        ):
+            n = threads or default_threads
+            wargs = dataclasses.replace(args, mode="colocated", num_threads=n, **(overrides or {}))
+            for i in range(count):
+                name = f"{role}-{i}"
+                actor = remote_cls.options(
+                    num_cpus=config.worker_num_cpus, max_concurrency=16, max_restarts=0,
+                    resources=dict(resources) or None, runtime_env={"env_vars": worker_env(n)},
+                ).remote(name, role, wargs, config, ckpt_ref)
+                self.workers[name] = WorkerHandle(name, role, actor)
+        try:
+            self._handshake_all()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.loads = {name: WorkerLoad(name, w.role) for name, w in self.workers.items()}
+        infos = [w.info for w in self.workers.values() if w.info is not None]
+        self.max_model_len = min(i.max_model_len for i in infos)
+        self.vocab_size = infos[0].vocab_size
+        self.layout = infos[0].layout
+        self.model_config = infos[0].model_config
+        model = infos[0].run_config.get("model", {})
+        self.checkpoint_path, self.checkpoint_format = model.get("path"), model.get("format")
+        self.scheduler = _QueuesView(self)  # what a server reads of an engine's scheduler
+        self.started_ns = time.monotonic_ns()
+
+    # -- start-up: handshake, clocks, layouts --------------------------------------------------------------
+    def _handshake_all(self) -> None:
+        import ray
+
+        refs = {w.actor.handshake.remote(): w for w in self.workers.values()}
+        try:
+            infos = ray.get(list(refs), timeout=self.config.worker_start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(f"disagg workers did not start within worker_start_timeout_s="
+                              f"{self.config.worker_start_timeout_s:g} s (model load); is the Ray cluster big enough "
+                              "(resources, memory)?") from None
+        except ray.exceptions.RayTaskError as e:  # the worker's __init__ raised: show its error
+            raise e.cause if isinstance(getattr(e, "cause", None), Exception) else e from None
+        for w, info in zip(refs.values(), infos):
+            w.info = info
+            # a second, short call measures the clock offset (round trip bounds its error)
+            t0 = time.monotonic_ns()
+            again = ray.get(w.actor.handshake.remote(), timeout=self.config.worker_timeout_s)
+            t1 = time.monotonic_ns()
+            if again.boot_id == self._boot_id:
+                w.clock_offset_ns, w.clock_error_ns = 0, 0  # one host, one boot: one monotonic clock
+            else:
+                w.clock_offset_ns = again.monotonic_ns - (t0 + t1) // 2
+                w.clock_error_ns = (t1 - t0) // 2
+        prefills = [w for w in self.workers.values() if w.role == "prefill"]
+        for d in (w for w in self.workers.values() if w.role == "decode"):
+            for p in prefills:
+                assert p.info is not None and d.info is not None
+                handshake(p.info.layout, d.info.layout, p.name, d.name)
+
+    # -- LLMEngine's surface ---------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        rid = str(self._next_id)
+        self._next_id += 1
+        return rid
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty; give at least one token")
+        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (prompt plus at least one "
+                "output token must fit); shorten the prompt or raise --max-model-len / --kv-cache-memory")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrived_ns: int | None = None) -> str:
+        arrived_ns = arrived_ns or time.monotonic_ns()
+        params = params or SamplingParams()
+        rid = request_id or self.new_request_id()
+        if rid in self._requests:
+            raise InvalidRequestError(f"request id {rid!r} is already in use")
+        ids = self.tokenize(prompt)
+        tokenized_ns = time.monotonic_ns()
+        self.validate_prompt(ids)
+        m = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, request_id=rid,
+                           num_prompt_tokens=len(ids))
+        timeout = self.config.request_timeout_s
+        r = _Request(rid, ids, params, prompt if isinstance(prompt, str) else None, m,
+                     None if timeout is None else arrived_ns + int(timeout * 1e9),
+                     logprobs=[] if params.logprobs is not None else None)
+        self._requests[rid] = r
+        self._to_prefill(r, cause=None)
+        return rid
+
+    def tracked(self, request_id: str) -> _Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
+        outs = []
+        for rid in request_ids:
+            r = self._requests.get(rid)
+            if r is None or r.phase == "finished":
+                continue
+            self._release(r)
+            r.finish_reason = "abort"
+            r.phase = "finished"
+            out = self._output(r)
+            self._close(r, time.monotonic_ns())
+            outs.append(out)
+        return outs
+
+    def step(self) -> list[RequestOutput]:
+        """Wait up to poll_interval_s for worker reports, apply them, and return the outputs of
+        the requests that progressed (cumulative token ids and text, as LLMEngine.step)."""
+        self._pump(self.config.poll_interval_s)
+        self._check_deadlines()
+        outputs, finished = [], []
+        for r in self._requests.values():
+            if r.dirty:
+                r.dirty = False
+                outputs.append(self._output(r))
+                if r.phase == "finished":
+                    finished.append(r)
+        sent_ns = time.monotonic_ns()
+        for out in outputs:
+            m = out.metrics
+            if self.stamp_sent:
+                m.token_sent_ns.extend(sent_ns for _ in range(len(m.token_sampled_ns) - len(m.token_sent_ns)))
+        for r in finished:
+            self._close(r, sent_ns if self.stamp_sent else None)
+        return outputs
+
+    def mark_delivered(self, request_id: str, sent_ns: int) -> None:
+        m = self._awaiting_delivery.pop(request_id, None)
+        if m is not None:
+            self._close_record(m, sent_ns)
+
+    # -- polling -------------------------------------------------------------------------------------------------
+    def _pump(self, wait_s: float) -> None:
+        import ray
+
+        cfg = self.config
+        now = time.monotonic_ns()
+        for w in self.workers.values():
+            if w.alive and w.poll_ref is None:
+                w.poll_ref, w.poll_issued_ns = w.actor.poll.remote(cfg.poll_interval_s), now
+        refs = {w.poll_ref: w for w in self.workers.values() if w.alive and w.poll_ref is not None}
+        if not refs:
+            time.sleep(wait_s)
+            return
+        ready, _ = ray.wait(list(refs), num_returns=1, timeout=wait_s)
+        if ready:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        for ref in ready:
+            w = refs[ref]
+            w.poll_ref = None
+            try:
+                report: WorkerReport = ray.get(ref)
+            except Exception as e:  # noqa: BLE001 - actor died, or its loop failed: the worker is gone
+                self._worker_died(w, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
+                continue
+            self._apply(w, report)
+        self._refresh_worker_metrics()
+        now = time.monotonic_ns()
+        for w in self.workers.values():  # a worker that stays silent is as good as dead
+            if w.alive and w.poll_ref is not None and now - w.poll_issued_ns > (
+                    cfg.poll_interval_s + cfg.worker_timeout_s) * 1e9:
+                ray.kill(w.actor)
+                self._worker_died(w, f"no answer for {cfg.worker_timeout_s:g} s (worker_timeout_s)")
+
+    def _refresh_worker_metrics(self, every_s: float = 1.0) -> None:
+        """Keep each live worker's Prometheus text fresh (for metrics.render) without blocking."""
+        import ray
+
+        for name, ref in list(self._metrics_refs.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                del self._metrics_refs[name]
+                try:
+                    self.metrics.worker_texts[name] = ray.get(ref)
+                except Exception:  # noqa: BLE001 - a dead worker is noticed by its poll
+                    self.metrics.worker_texts.pop(name, None)
+        now = time.monotonic_ns()
+        if now - self._metrics_refreshed_ns > every_s * 1e9:
+            self._metrics_refreshed_ns = now
+            for w in self.workers.values():
+                if w.alive and w.name not in self._metrics_refs:
+                    self._metrics_refs[w.name] = w.actor.metrics_text.remote()
+
+    def _apply(self, w: WorkerHandle, report: WorkerReport) -> None:
+        w.stats = report.stats
+        for rec in report.iterations:
+            self.iterations.append(_shift_iteration(rec, w.clock_offset_ns))
+        for ev in report.events:
+            r = self._requests.get(ev.request_id)
+            if isinstance(ev, TokenEvent):
+                self._on_tokens(w, r, ev)
+            elif r is None or not self._is_current(r, w, ev.attempt):
+                continue
+            elif isinstance(ev, TransferEvent):
+                self._on_transfer(w, r, ev)
+            elif isinstance(ev, AdmittedEvent):
+                r.metrics.decode_admitted_ns = ev.admitted_ns - w.clock_offset_ns
+            elif isinstance(ev, FailureEvent):
+                self._on_failure(w, r, ev)
+
+    @staticmethod
+    def _is_current(r: _Request, w: WorkerHandle, attempt: int) -> bool:
+        """An event about the request's current routing (not a stale one from an earlier attempt)."""
+        where = r.prefill_worker if r.phase == "prefill" else r.decode_worker if r.phase == "decode" else None
+        return attempt == r.attempt and where == w.name and r.phase == w.role
+
+    def _on_tokens(self, w: WorkerHandle, r: _Request | None, ev: TokenEvent) -> None:
+        if r is None or not self._is_current(r, w, ev.attempt):
+            if ev.kv is not None:  # a stale prefill (re-routed meanwhile): free its KV there
+                w.actor.release_kv.remote(ev.request_id, "released", ev.kv.attempt)
+            return
+        m, off = r.metrics, w.clock_offset_ns
+        rec = _shift_metrics(ev.record, off) if ev.record is not None else None
+        if w.role == "prefill":
+            self._unload(r, w.name)
+            m.worker = w.name
+            if rec is not None:
+                if m.first_token_sampled_ns is None:  # the first prefill of this request
+                    m.queued_ns, m.first_scheduled_ns = rec.queued_ns, rec.first_scheduled_ns
+                    m.prefill_chunks = rec.prefill_chunks
+                    m.recompute_chunks += rec.recompute_chunks
+                    m.num_cached_tokens = rec.num_cached_tokens
+                else:  # a re-prefill after the KV was lost: recomputation
+                    m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
+                self._merge_preemptions(m, rec)
+        elif rec is not None:
+            m.decode_worker = w.name
+            m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
+            self._merge_preemptions(m, rec)
+        r.output_token_ids += ev.new_token_ids
+        sampled = [t - off for t in ev.sampled_ns]
+        if m.first_token_sampled_ns is None and sampled:
+            m.first_token_sampled_ns = sampled[0]
+        m.token_sampled_ns += sampled
+        m.token_iteration_ids += ev.iteration_ids
+        r.text = ev.text
+        if r.logprobs is not None and ev.logprobs:
+            r.logprobs += ev.logprobs
+        r.dirty = True
+        if ev.finish_reason is not None:
+            self._finish(r, ev.finish_reason, ev.stop_reason)
+        elif ev.kv is not None:
+            r.kv, r.sampler_state = ev.kv, ev.sampler_state
+            self._to_decode(r)
+
+    @staticmethod
+    def _merge_preemptions(m: RequestMetrics, rec: RequestMetrics) -> None:
+        m.preempted_ns += rec.preempted_ns
+        m.resumed_ns += rec.resumed_ns
+        m.num_preemptions += rec.num_preemptions
+
+    def _on_transfer(self, w: WorkerHandle, r: _Request, ev: TransferEvent) -> None:
+        off = w.clock_offset_ns
+        m = r.metrics
+        m.kv_transfer_queued_ns, m.kv_transfer_start_ns, m.kv_transfer_end_ns = (
+            ev.queued_ns - off, ev.start_ns - off, ev.end_ns - off)
+        src = r.kv
+        if src is not None and src.export_start_ns is not None:
+            # the transport copied the KV out when the request parked: the transfer started there
+            # (queued and started at once; the routing hop to the decode worker is inside it)
+            start = src.export_start_ns - self.workers[src.worker].clock_offset_ns
+            m.kv_transfer_queued_ns = m.kv_transfer_start_ns = start
+        m.kv_transfer_bytes = ev.num_bytes
+        m.decode_admitted_ns = None
+        r.kv = None  # acknowledged: the prefill worker frees it, the decode worker holds it now
+
+    def _on_failure(self, w: WorkerHandle, r: _Request, ev: FailureEvent) -> None:
+        self._unload(r, w.name)
+        if ev.kv_lost:
+            r.kv = None
+            self._kv_lost(r, f"{ev.message}", cause=ev.kind)
+        else:
+            self._fail(r, f"request {r.request_id!r} failed on {w.name}: {ev.message}", cause=ev.kind)
+
+    # -- routing ------------------------------------------------------------------------------------------------
+    def _candidates(self, role: str) -> list[WorkerLoad]:
+        return [self.loads[n] for n, w in self.workers.items() if w.role == role]
+
+    def _load(self, r: _Request, worker: str, num_tokens: int) -> None:
+        self.loads[worker].add(num_tokens)
+        r.loads[worker] = num_tokens
+
+    def _unload(self, r: _Request, worker: str | None) -> None:
+        if worker is not None and worker in r.loads:
+            self.loads[worker].remove(r.loads.pop(worker))
+
+    def _to_prefill(self, r: _Request, cause: str | None) -> None:
+        name = self.prefill_policy.pick(self._candidates("prefill"), r.num_tokens)
+        if name is None:
+            why = "" if cause is None else f" (it was being recomputed: {cause})"
+            self._fail(r, f"request {r.request_id!r}: no prefill worker is alive{why}; "
+                          f"{self._deaths('prefill')}", cause="no_prefill_worker")
+            return
+        if cause is not None:
+            self.router_metrics.reprefills.labels(cause=cause).inc()
+            r.num_reprefills += 1
+        r.phase, r.prefill_worker, r.decode_worker, r.kv = "prefill", name, None, None
+        r.attempt = self._next_attempt()
+        self._load(r, name, r.num_tokens)
+        w = self.workers[name]
+        w.actor.add_request.remote(RequestSpec(
+            r.request_id, r.prompt_token_ids, r.params, r.metrics.arrived_ns + w.clock_offset_ns,
+            list(r.output_token_ids), r.attempt))
+
+    def _to_decode(self, r: _Request, reroute: bool = False) -> None:
+        assert r.kv is not None
+        name = self.decode_policy.pick(self._candidates("decode"), r.num_tokens)
+        if name is None:
+            self._fail(r, f"request {r.request_id!r}: no decode worker is alive to continue it after its first "
+                          f"token; {self._deaths('decode')}", cause="no_decode_worker")
+            return
+        if reroute:
+            self.router_metrics.reroutes.inc()
+            r.num_reroutes += 1
+        r.phase, r.decode_worker = "decode", name
+        r.attempt = self._next_attempt()
+        self._load(r, name, r.num_tokens)
+        w = self.workers[name]
+        w.actor.admit.remote(TransferSpec(
+            r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.params, r.kv,
+            r.metrics.arrived_ns + w.clock_offset_ns, r.attempt, r.sampler_state))
+
+    def _next_attempt(self) -> int:
+        """Attempt numbers increase over the router's life (not per request): a worker can tell a
+        stale message from a new one even when a request id is reused."""
+        self._attempt_seq += 1
+        return self._attempt_seq
+
+    def _kv_lost(self, r: _Request, why: str, cause: str) -> None:
+        if self.config.recover_lost_kv:
+            logger.warning("request %s: %s; prefilling it again", r.request_id, why)
+            self._to_prefill(r, cause=cause)
+        else:
+            self._fail(r, f"request {r.request_id!r} lost its KV cache ({why}) and recover_lost_kv is off",
+                       cause=cause)
+
+    # -- failures --------------------------------------------------------------------------------------------------
+    def _deaths(self, role: str) -> str:
+        dead = [f"{w.name} ({w.death})" for w in self.workers.values() if w.role == role and not w.alive]
+        total = sum(1 for w in self.workers.values() if w.role == role)
+        return f"{len(dead)} of {total} {role} workers are dead: " + "; ".join(dead) if dead else f"{total} configured"
+
+    def _worker_died(self, w: WorkerHandle, why: str) -> None:
+        if not w.alive:
+            return
+        w.alive, w.death, w.poll_ref = False, why, None
+        self.loads[w.name].alive = False
+        try:  # a worker whose loop failed may still be running: make sure it is gone
+            import ray
+
+            ray.kill(w.actor)
+        except Exception as e:  # noqa: BLE001 - already dead
+            logger.debug("kill %s: %r", w.name, e)
+        self.router_metrics.worker_failures.labels(worker=w.name, role=w.role).inc()
+        logger.error("%s worker %s is gone: %s", w.role, w.name, why)
+        for r in list(self._requests.values()):
+            if r.phase == "finished":
+                continue
+            if w.role == "prefill" and r.phase == "prefill" and r.prefill_worker == w.name:
+                self._unload(r, w.name)
+                self._to_prefill(r, cause="prefill_worker_died")
+            elif w.role == "prefill" and r.phase == "decode" and r.kv is not None and r.kv.worker == w.name:
+                # its KV was leased there and not yet acknowledged: the decode worker's fetch fails
+                # (or already failed) and reports it; tell it now rather than after a timeout
+                self._abort_on(r, r.decode_worker)
+                self._unload(r, r.decode_worker)
+                r.kv = None
+                self._kv_lost(r, f"prefill worker {w.name} died before the KV transfer", cause="prefill_worker_died")
+            elif w.role == "decode" and r.phase == "decode" and r.decode_worker == w.name:
+                self._unload(r, w.name)
+                src = self.workers.get(r.kv.worker) if r.kv is not None else None
+                if src is not None and src.alive:
+                    logger.warning("request %s: decode worker %s died before the transfer completed; %s still "
+                                   "holds the KV: re-routing", r.request_id, w.name, src.name)
+                    self._to_decode(r, reroute=True)
+                else:
+                    self._kv_lost(r, f"decode worker {w.name} died ({why}) after the transfer", cause="decode_worker_died")
+
+    def _fail(self, r: _Request, message: str, cause: str) -> None:
+        logger.error("%s", message)
+        self.router_metrics.request_failures.labels(cause=cause).inc()
+        self._release(r)
+        r.finish_reason, r.error, r.phase, r.dirty = "error", message, "finished", True
+
+    def _finish(self, r: _Request, reason: str, stop_reason: int | str | None) -> None:
+        self._release(r)
+        r.finish_reason, r.stop_reason, r.phase = reason, stop_reason, "finished"
+
+    def _release(self, r: _Request) -> None:
+        """Leave no state on any worker: free a lease, abort where it runs, drop its loads."""
+        if r.kv is not None:
+            src = self.workers.get(r.kv.worker)
+            if src is not None and src.alive:
+                src.actor.release_kv.remote(r.request_id, "released", r.kv.attempt)
+            r.kv = None
+        if r.phase == "prefill":
+            self._abort_on(r, r.prefill_worker)
+        elif r.phase == "decode":
+            self._abort_on(r, r.decode_worker)
+        for worker in list(r.loads):
+            self._unload(r, worker)
+
+    def _abort_on(self, r: _Request, worker: str | None) -> None:
+        w = self.workers.get(worker) if worker else None
+        if w is not None and w.alive:
+            w.actor.abort.remote([r.request_id], r.attempt)
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic_ns()
+        for r in list(self._requests.values()):
+            if r.deadline_ns is not None and r.phase != "finished" and now > r.deadline_ns:
+                self._fail(r, f"request {r.request_id!r} did not finish within request_timeout_s="
+                              f"{self.config.request_timeout_s:g} s (it was in {r.phase})", cause="timeout")
+
+    # -- outputs and records -----------------------------------------------------------------------------------------
+    def _output(self, r: _Request) -> RequestOutput:
+        c = CompletionOutput(index=0, text=r.text, token_ids=list(r.output_token_ids), finish_reason=r.finish_reason,
+                             stop_reason=r.stop_reason, logprobs=list(r.logprobs) if r.logprobs is not None else None,
+                             error=r.error)
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt, prompt_token_ids=r.prompt_token_ids,
+                             outputs=[c], finished=r.phase == "finished", metrics=r.metrics,
+                             num_cached_tokens=r.metrics.num_cached_tokens)
+
+    def _close(self, r: _Request, finished_ns: int | None) -> None:
+        self._requests.pop(r.request_id, None)
+        m = r.metrics
+        m.finish_reason, m.error = r.finish_reason, r.error
+        m.num_output_tokens = len(r.output_token_ids)
+        if finished_ns is None:
+            self._awaiting_delivery[m.request_id] = m
+        else:
+            self._close_record(m, finished_ns)
+
+    def _close_record(self, m: RequestMetrics, finished_ns: int) -> None:
+        m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
+        if not self.recording:
+            return
+        self.metrics.observe_finished(m)
+        rm = self.router_metrics
+        if m.transfer_s is not None and m.kv_transfer_bytes is not None:
+            rm.transfer_bytes_total.inc(m.kv_transfer_bytes)
+            if m.transfer_s > 0:
+                rm.transfer_bandwidth.observe(m.kv_transfer_bytes / m.transfer_s)
+        if m.decode_admission_wait_s is not None:
+            rm.decode_admission_wait.observe(m.decode_admission_wait_s)
+        if m.first_token_sampled_ns is not None and m.kv_transfer_start_ns is not None:
+            rm.transfer_queue.observe((m.kv_transfer_start_ns - m.first_token_sampled_ns) / 1e9)
+        self.finished_requests.append(m)
+
+    # -- observation -----------------------------------------------------------------------------------------------
+    def worker_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Fresh WorkerStats of every live worker (name -> stats)."""
+        import ray
+
+        alive = [w for w in self.workers.values() if w.alive]
+        refs = [w.actor.stats.remote() for w in alive]
+        out = {}
+        for w, ref in zip(alive, refs):
+            try:
+                out[w.name] = w.stats = ray.get(ref, timeout=timeout_s)
+            except Exception as e:  # noqa: BLE001
+                self._worker_died(w, f"{type(e).__name__} while asked for stats")
+        return out
+
+    def render_metrics(self, timeout_s: float = 10.0) -> bytes:
+        """One Prometheus text: the router's registries and every live worker's (fetched now), merged."""
+        import ray
+
+        texts = [self.metrics.engine_metrics.render(), self.router_metrics.render()]
+        alive = [w for w in self.workers.values() if w.alive]
+        refs = [w.actor.metrics_text.remote() for w in alive]
+        for w, ref in zip(alive, refs):
+            try:
+                texts.append(ray.get(ref, timeout=timeout_s))
+                self.metrics.worker_texts[w.name] = texts[-1]
+            except Exception as e:  # noqa: BLE001 - a worker that dies now is reported by the next step
+                logger.debug("metrics of %s: %r", w.name, e)
+        return merge_exposition(texts)
+
+    def run_config(self) -> dict[str, Any]:
+        import phaselab
+
+        workers = {}
+        for w in self.workers.values():
+            info = w.info
+            workers[w.name] = {
+                "role": w.role, "alive": w.alive, "death": w.death,
+                "node_id": info.node_id if info else None, "hostname": info.hostname if info else None,
+                "pid": info.pid if info else None,
+                "clock_offset_ns": w.clock_offset_ns, "clock_offset_error_ns": w.clock_error_ns,
+                "last_stats": ({**dataclasses.asdict(w.stats), "busy_fraction": w.stats.busy_fraction}
+                               if w.stats is not None else None),
+                "engine": info.run_config if info else None,
+            }
+        return {
+            "mode": "disagg",
+            "worker": "router",
+            "role": "router",
+            "engine_args": dataclasses.asdict(self.args),
+            "disagg": dataclasses.asdict(self.config),
+            "kv_layout": dataclasses.asdict(self.layout),
+            "routing": {"prefill": type(self.prefill_policy).__name__, "decode": type(self.decode_policy).__name__},
+            "workers": workers,
+            "versions": {"phaselab": phaselab.__version__, "python": platform.python_version()},
+            "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
+        }
+
+    def write_record(self, path: str) -> None:
+        """The run directory: every finished request's one record, every worker's iterations."""
+        self.worker_stats()
+        iterations = sorted(self.iterations, key=lambda rec: (rec.worker, rec.start_ns))
+        write_run_dir(path, list(self.finished_requests), iterations, self.run_config(), self.render_metrics())
+
+    def busy_fractions(self) -> dict[str, float]:
+        """Per worker: time in iterations / time since the worker started (from its last stats)."""
+        return {n: w.stats.busy_fraction for n, w in self.workers.items() if w.stats is not None}
+
+    # -- shutdown ------------------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        import ray
+
+        for w in self.workers.values():
+            try:
+                ray.kill(w.actor)
+            except Exception as e:  # noqa: BLE001 - already gone
+                logger.debug("kill %s: %r", w.name, e)
+            w.alive = False
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def kill_worker(self, name: str) -> None:
+        """Fault injection (tests): kill a worker's actor; the next step notices."""
+        import ray
+
+        ray.kill(self.workers[name].actor)
+
+
+class _QueuesView:
+    """The router seen as a scheduler by a server: queue lengths and KV usage over all workers."""
+
+    def __init__(self, engine: DisaggEngine) -> None:
+        self._engine = engine
+        self.kv_cache_manager = self  # block_pool below
+        self.block_pool = self
+
+    @property
+    def requests(self) -> dict[str, Any]:
+        return self._engine._requests
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not decoding yet: queued or prefilling, or waiting for their KV transfer."""
+        return sum(1 for r in self._engine._requests.values() if r.phase == "prefill")
+
+    @property
+    def num_running(self) -> int:
+        return sum(1 for r in self._engine._requests.values() if r.phase == "decode")
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(w.stats.num_blocks_used for w in self._engine.workers.values() if w.alive and w.stats)
+
+    @property
+    def usage(self) -> float:
+        stats = [w.stats for w in self._engine.workers.values() if w.alive and w.stats]
+        total = sum(s.num_blocks_total for s in stats)
+        return sum(s.num_blocks_used for s in stats) / total if total else 0.0
+
+
+# -- clocks ---------------------------------------------------------------------------------------------------
+def _shift_metrics(m: RequestMetrics, offset_ns: int) -> RequestMetrics:
+    """A worker's record in the router's clock (worker = router + offset)."""
+    if not offset_ns:
+        return m
+
+    def s(t: int | None) -> int | None:
+        return None if t is None else t - offset_ns
+
+    def chunks(cs: list[PrefillChunk]) -> list[PrefillChunk]:
+        return [dataclasses.replace(c, start_ns=c.start_ns - offset_ns, end_ns=c.end_ns - offset_ns) for c in cs]
+
+    return dataclasses.replace(
+        m, arrived_ns=m.arrived_ns - offset_ns, tokenized_ns=s(m.tokenized_ns), queued_ns=s(m.queued_ns),
+        first_scheduled_ns=s(m.first_scheduled_ns), prefill_chunks=chunks(m.prefill_chunks),
+        recompute_chunks=chunks(m.recompute_chunks), first_token_sampled_ns=s(m.first_token_sampled_ns),
+        kv_transfer_queued_ns=s(m.kv_transfer_queued_ns), kv_transfer_start_ns=s(m.kv_transfer_start_ns),
+        kv_transfer_end_ns=s(m.kv_transfer_end_ns), decode_admitted_ns=s(m.decode_admitted_ns),
+        token_sampled_ns=[t - offset_ns for t in m.token_sampled_ns],
+        token_sent_ns=[t - offset_ns for t in m.token_sent_ns],
+        preempted_ns=[t - offset_ns for t in m.preempted_ns], resumed_ns=[t - offset_ns for t in m.resumed_ns],
+        finished_ns=s(m.finished_ns))
+
+
+def _shift_iteration(rec: IterationRecord, offset_ns: int) -> IterationRecord:
+    if not offset_ns:
+        return rec
+    return dataclasses.replace(rec, start_ns=rec.start_ns - offset_ns, end_ns=rec.end_ns - offset_ns)

@@ -1,0 +1,651 @@
+"""Prefill and decode workers: an LLMEngine with a role, inside a Ray actor.
+
+    RPC threads (a threaded actor)                  loop thread: the only one that touches the engine
+    ──────────────────────────────                  ──────────────────────────────────────────────────
+    add_request / admit / abort / release_kv ─cmd─▶ apply commands; expire leases (prefill);
+    read_kv: copy a parked request's blocks         admit staged KV while blocks allow (decode);
+    poll(timeout) ◀── events, iterations, stats ──  step(); outputs -> TokenEvents
+                                                    transfer thread (decode): fetch KV FIFO, ack, stage
+
+Prefill worker. Each request is added `prefill_only`: after its prefill samples a token it parks
+(Scheduler.parked): never scheduled again, its blocks kept. The worker then opens a *lease* on the
+KV and reports the token with a KVSource. The lease ends when the decode side acknowledges the
+transfer (`release_kv`), the router releases it (the request finished, failed, was re-routed or
+aborted), or it expires after `kv_lease_timeout_s`; then the blocks are freed. A `read_kv` in
+progress pins the lease: an ending lease is freed only once its readers are done, so a block is
+never reused while its K/V are being copied out.
+
+Decode worker. `admit(TransferSpec)` queues the request for the transfer thread (kv transfer
+queued); that thread fetches the KV through the connector (start/end), acknowledges it (the
+prefill worker frees its blocks) and stages it in memory (at most `max_staged_kv_bytes`, then
+transfers wait, with the KV still leased on the prefill side). Between steps the loop admits
+staged requests in order once their blocks can be allocated (`LLMEngine.add_prefilled_request`:
+decode admitted); until then the request waits: that is backpressure, recorded as the decode
+admission wait, bounded by `decode_admission_timeout_s`.
+
+Thread settings: the actor is started with OMP_NUM_THREADS / OMP_WAIT_POLICY=PASSIVE in its
+runtime_env, so OpenMP reads them before torch loads (see DESIGN.md, section 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from collections import Counter as Tally
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from phaselab.config import EngineArgs
+from phaselab.core.timing import RequestMetrics
+from phaselab.disagg.config import DisaggConfig
+from phaselab.disagg.connector import (
+    KVLayout,
+    KVLayoutMismatchError,
+    KVSource,
+    KVUnavailableError,
+    handshake,
+    make_transport,
+    pack,
+)
+from phaselab.disagg.protocol import (
+    AdmittedEvent,
+    FailureEvent,
+    RequestSpec,
+    TokenEvent,
+    TransferEvent,
+    TransferSpec,
+    WorkerInfo,
+    WorkerReport,
+    WorkerStats,
+)
+from phaselab.errors import InvalidRequestError
+
+ROLES = ("prefill", "decode")
+
+
+def worker_env(num_threads: int) -> dict[str, str]:
+    """Environment of a worker process, fixed before torch loads."""
+    import phaselab
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(phaselab.__file__)))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    n = str(num_threads)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": "PASSIVE",
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+
+
+def checkpoint_to_wire(ckpt: Any) -> dict[str, Any]:
+    """A loaded checkpoint as plain data whose tensors are numpy arrays: `ray.put` once, and every
+    worker of a node maps the same bytes (zero-copy) instead of reading and dequantizing the file."""
+    import torch
+
+    weights = {}
+    for name, t in ckpt.weights.items():
+        raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
+        weights[name] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
+    return {"config": ckpt.config, "tokenizer": ckpt.tokenizer, "path": ckpt.path, "format": ckpt.format,
+            "quant_types": ckpt.quant_types, "weights": weights}
+
+
+def checkpoint_from_wire(wire: dict[str, Any]) -> Any:
+    import warnings
+
+    import torch
+
+    from phaselab.model.loader import LoadedCheckpoint
+
+    weights = {}
+    with warnings.catch_warnings():  # read-only object-store buffers: the engine only copies from them
+        warnings.simplefilter("ignore", UserWarning)
+        for name, (array, dtype) in wire["weights"].items():
+            weights[name] = torch.from_numpy(array).view(getattr(torch, dtype))
+    return LoadedCheckpoint(wire["config"], weights, wire["tokenizer"], wire["path"], wire["format"],
+                            wire["quant_types"])
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            return f.read().strip()
+    except OSError:
+        return f"unknown-{socket.gethostname()}"
+
+
+@dataclass
+class _Lease:
+    request_id: str
+    block_ids: list[int] | None  # held blocks (ray-actor), None once copied out (ray-object-store)
+    handle: Any
+    expires_ns: int
+    attempt: int = 0
+    readers: int = 0
+    ended: bool = False
+    reason: str = ""
+
+
+@dataclass
+class _Staged:
+    spec: TransferSpec
+    kv: Any  # torch.Tensor
+    queued_ns: int
+    start_ns: int
+    end_ns: int
+    num_bytes: int
+
+
+@dataclass
+class _Progress:
+    """What a worker already reported of one request."""
+
+    num_tokens: int  # output tokens the router knows (given + reported)
+    attempt: int = 0
+    num_stamped: int = 0  # entries of the engine record's token_sampled_ns reported
+    num_logprobs: int = 0
+
+
+class DisaggWorker:
+    """One engine with a role. `DisaggEngine` wraps it with `ray.remote`; tests also drive it in-process."""
+
+    def __init__(self, name: str, role: str, args: EngineArgs, config: DisaggConfig,
+                 checkpoint: dict[str, Any] | None = None) -> None:
+        assert role in ROLES, role
+        from phaselab.engine.engine import LLMEngine
+
+        self.name, self.role, self.config = name, role, config
+        ckpt = checkpoint_from_wire(checkpoint) if checkpoint is not None else None
+        self.engine = LLMEngine(args, checkpoint=ckpt, worker=name, role=role)
+        del ckpt
+        self.started_ns = time.monotonic_ns()  # busy fraction counts from here (model loaded)
+        self.fault_transfer_delay_s = config.fault_transfer_delay_s
+        self.engine.record_requests = False  # the router keeps the one record per request
+        self.layout = KVLayout.of_engine(self.engine)
+        self.transport = make_transport(args.kv_transport)  # prefill: how this worker exports
+        self._transports: dict[str, Any] = {}  # decode: fetch with the transport each source names
+        self.handle = _current_actor() or self  # in-process (tests): peers call this object directly
+        self.counters: Tally[str] = Tally()
+        self.busy_ns = 0
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._events: list[Any] = []
+        self._events_cv = threading.Condition()
+        self._fatal: str | None = None
+        self._stop = threading.Event()
+        self._progress: dict[str, _Progress] = {}
+        self._attempts: dict[str, int] = {}  # the newest routing attempt seen per request
+        # prefill side
+        self._leases: dict[str, _Lease] = {}
+        self._lease_lock = threading.Lock()
+        # decode side
+        self._transfer_q: queue.Queue[tuple[TransferSpec, int] | None] = queue.Queue()
+        self._staged: deque[_Staged] = deque()
+        self._staged_cv = threading.Condition()
+        self._staged_bytes = 0
+        self._cancelled: set[tuple[str, int]] = set()  # (request, attempt) aborted on this decode worker
+        self._prom = _WorkerPrometheus(name, role)
+        self._loop_thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
+        self._loop_thread.start()
+        if role == "decode":
+            threading.Thread(target=self._transfer_loop, name=f"{name}-transfer", daemon=True).start()
+
+    # -- RPCs ------------------------------------------------------------------------------------------
+    def handshake(self) -> WorkerInfo:
+        import ray
+
+        return WorkerInfo(
+            name=self.name, role=self.role, layout=self.layout, max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.model_config.vocab_size, monotonic_ns=time.monotonic_ns(),
+            boot_id=_boot_id(), hostname=socket.gethostname(),
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local", pid=os.getpid(),
+            run_config=self.engine.run_config(), model_config=self.engine.model_config)
+
+    def add_request(self, spec: RequestSpec) -> None:
+        assert self.role == "prefill"
+        received_ns = time.monotonic_ns()  # queued here: the wait for the step boundary is queueing
+        self._commands.put(lambda: self._add(spec, received_ns))
+
+    def admit(self, spec: TransferSpec) -> None:
+        assert self.role == "decode"
+        self._note_attempt(spec.request_id, spec.attempt)
+        self._transfer_q.put((spec, time.monotonic_ns()))
+
+    def abort(self, request_ids: list[str], attempt: int) -> None:
+        """Abort these requests' `attempt` here (an abort of an older attempt than the newest this
+        worker has seen is stale and ignored: Ray may deliver calls of a threaded actor out of order)."""
+        if self.role == "decode":
+            with self._staged_cv:
+                if len(self._cancelled) > 10_000:  # only entries still queued for transfer matter
+                    self._cancelled.clear()
+                self._cancelled.update((rid, attempt) for rid in request_ids)
+                self._staged_cv.notify_all()
+        self._commands.put(lambda: self._abort(request_ids, attempt))
+
+    def release_kv(self, request_id: str, reason: str = "released", attempt: int | None = None) -> None:
+        self._commands.put(lambda: self._end_lease(request_id, reason, attempt))
+
+    def read_kv(self, request_id: str, attempt: int | None = None) -> Any:
+        """The KV of a parked request as bytes (ray-actor transport). Pins the lease meanwhile."""
+        with self._lease_lock:
+            lease = self._leases.get(request_id)
+            if lease is not None and attempt is not None and lease.attempt != attempt:
+                lease = None
+            if lease is None or lease.ended or lease.block_ids is None:
+                raise KVUnavailableError(
+                    f"{self.name} holds no KV of request {request_id!r} any more (its lease ended: acknowledged, "
+                    f"released, or expired after kv_lease_timeout_s={self.config.kv_lease_timeout_s:g} s)")
+            lease.readers += 1
+        try:
+            self.counters["kv_reads"] += 1
+            return pack(self.engine.executor.read_blocks(lease.block_ids))  # type: ignore[attr-defined]
+        finally:
+            with self._lease_lock:
+                lease.readers -= 1
+            self._commands.put(self._settle_leases)
+
+    def poll(self, timeout_s: float) -> WorkerReport:
+        """Events since the last poll (waits up to timeout_s for one), new iteration records, stats."""
+        with self._events_cv:
+            if not self._events and self._fatal is None:
+                self._events_cv.wait(timeout_s)
+            events, self._events = self._events, []
+        if self._fatal is not None and not events:
+            raise RuntimeError(f"worker {self.name} failed:\n{self._fatal}")
+        its = self.engine.iterations
+        n = len(its)
+        iterations = its[:n]
+        del its[:n]  # appends by the loop thread go after n: nothing is lost (GIL-atomic list ops)
+        return WorkerReport(events, iterations, self.stats())
+
+    def stats(self) -> WorkerStats:
+        sched = self.engine.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        s = WorkerStats(
+            name=self.name, role=self.role, now_ns=time.monotonic_ns(), started_ns=self.started_ns,
+            busy_ns=self.busy_ns, num_iterations=sched.iteration_id + 1, num_running=sched.num_running,
+            num_waiting=sched.num_waiting, num_parked=len(self._leases), num_transfer_queue=self._transfer_q.qsize(),
+            num_staged=len(self._staged), num_blocks_used=pool.num_used_blocks, num_blocks_total=pool.num_blocks,
+            counters=dict(self.counters))
+        self._prom.set_stats(s)
+        return s
+
+    def metrics_text(self) -> bytes:
+        self.stats()
+        return self.engine.metrics.render() + self._prom.render()
+
+    def check_invariants(self) -> None:
+        """Test helper: the scheduler's invariants, run on the loop thread between steps."""
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def check() -> None:
+            try:
+                self.engine.scheduler.check_invariants()
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+            done.set()
+
+        self._commands.put(check)
+        if not done.wait(30):
+            raise TimeoutError(f"{self.name}: the loop thread did not answer")
+        if errors:
+            raise errors[0]
+
+    def set_kv_transport(self, name: str) -> None:
+        """Prefill: export the KV of requests parked from now on with this transport (decode
+        workers fetch with whichever transport a KVSource names)."""
+        self._commands.put(lambda: setattr(self, "transport", make_transport(name)))
+
+    def set_fault_transfer_delay(self, seconds: float) -> None:
+        """FAULT INJECTION (tests): sleep this long inside every KV fetch from now on."""
+        self.fault_transfer_delay_s = seconds
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._transfer_q.put(None)
+        self._commands.put(lambda: None)
+
+    def _note_attempt(self, rid: str, attempt: int) -> None:
+        with self._staged_cv:
+            self._attempts[rid] = max(attempt, self._attempts.get(rid, attempt))
+
+    # -- the loop thread -----------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.engine.scheduler
+        try:
+            while not self._stop.is_set():
+                idle = not sched.has_schedulable_requests() and not self._staged
+                self._apply_commands(self.config.poll_interval_s if idle else 0.0)
+                if self.role == "prefill":
+                    self._expire_leases()
+                else:
+                    self._admit_staged()
+                if sched.has_schedulable_requests():
+                    t0 = time.monotonic_ns()
+                    outputs = self.engine.step()
+                    self.busy_ns += time.monotonic_ns() - t0
+                    self._publish(outputs)
+        except BaseException:  # noqa: BLE001 - a broken engine: the router treats the worker as dead
+            self._fatal = traceback.format_exc()
+            with self._events_cv:
+                self._events_cv.notify_all()
+
+    def _apply_commands(self, wait_s: float) -> None:
+        try:
+            command = self._commands.get(timeout=wait_s) if wait_s > 0 else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _emit(self, *events: Any) -> None:
+        with self._events_cv:
+            self._events.extend(events)
+            self._events_cv.notify_all()
+
+    # prefill side ------------------------------------------------------------------------------------------
+    def _add(self, spec: RequestSpec, received_ns: int) -> None:
+        rid = spec.request_id
+        self._note_attempt(rid, spec.attempt)
+        if rid in self._leases:  # a re-prefill of a request whose old lease is still open here
+            self._end_lease(rid, "replaced")
+            if rid in self._leases:  # pinned by a read in progress: retry once it is done
+                threading.Timer(0.01, lambda: self._commands.put(lambda: self._add(spec, received_ns))).start()
+                return
+        elif self.engine.tracked(rid) is not None:
+            self.engine.abort_request([rid])
+        try:
+            self.engine.add_request(spec.prompt_token_ids, spec.params, request_id=rid, arrived_ns=spec.arrived_ns,
+                                    prefill_only=True, output_token_ids=spec.output_token_ids)
+        except InvalidRequestError as e:
+            self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
+            return
+        self.engine.tracked(rid).metrics.queued_ns = received_ns  # type: ignore[union-attr]
+        self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
+
+    def _open_lease(self, rid: str, attempt: int) -> KVSource:
+        eng = self.engine
+        block_ids = eng.parked_block_ids(rid)
+        num_tokens = eng.scheduler.parked[rid].num_computed_tokens
+        t0 = time.monotonic_ns()
+        handle = self.transport.export(lambda: eng.executor.read_blocks(block_ids))  # type: ignore[attr-defined]
+        t1 = time.monotonic_ns()
+        lease = _Lease(rid, block_ids if self.transport.holds_blocks else None, handle,
+                       time.monotonic_ns() + int(self.config.kv_lease_timeout_s * 1e9), attempt)
+        if not self.transport.holds_blocks:
+            eng.release_parked(rid)  # the KV lives in the object store now
+        with self._lease_lock:
+            self._leases[rid] = lease
+        self.counters["leases_opened"] += 1
+        copied = not self.transport.holds_blocks
+        return KVSource(self.transport.name, rid, self.name, self.handle, self.layout, num_tokens, len(block_ids),
+                        handle, attempt, t0 if copied else None, t1 if copied else None)
+
+    def _end_lease(self, rid: str, reason: str, attempt: int | None = None) -> None:
+        """Loop thread. Frees the lease's blocks now, or once its readers are done."""
+        with self._lease_lock:
+            lease = self._leases.get(rid)
+            if lease is None or (attempt is not None and lease.attempt != attempt):
+                return
+            if not lease.ended:
+                lease.ended, lease.reason = True, reason
+            if lease.readers:
+                return  # _settle_leases finishes it
+            del self._leases[rid]
+        if lease.block_ids is not None:
+            self.engine.release_parked(rid)
+        self.counters[f"leases_{lease.reason}"] += 1
+        self._prom.lease_ended(lease.reason)
+
+    def _settle_leases(self) -> None:
+        with self._lease_lock:
+            done = [rid for rid, lease in self._leases.items() if lease.ended and not lease.readers]
+        for rid in done:
+            self._end_lease(rid, "")
+
+    def _expire_leases(self) -> None:
+        if not self._leases:
+            return
+        now = time.monotonic_ns()
+        with self._lease_lock:
+            expired = [rid for rid, lease in self._leases.items() if not lease.ended and now > lease.expires_ns]
+        for rid in expired:
+            self._end_lease(rid, "expired")
+
+    # decode side -------------------------------------------------------------------------------------------
+    def _transfer_loop(self) -> None:
+        cfg = self.config
+        while True:
+            item = self._transfer_q.get()
+            if item is None or self._stop.is_set():
+                return
+            spec, queued_ns = item
+            rid, source, key = spec.request_id, spec.source, (spec.request_id, spec.attempt)
+            with self._staged_cv:  # bounded staging: beyond it the KV stays leased on the prefill side
+                while (self._staged and self._staged_bytes + source.num_bytes > cfg.max_staged_kv_bytes
+                       and key not in self._cancelled and not self._stop.is_set()):
+                    self._staged_cv.wait(0.1)
+                if key in self._cancelled:
+                    continue
+            start_ns = time.monotonic_ns()
+            try:
+                handshake(source.layout, self.layout, source.worker, self.name)
+                if self.fault_transfer_delay_s:
+                    time.sleep(self.fault_transfer_delay_s)
+                kv = self._transport(source.transport).fetch(source, cfg.transfer_timeout_s)
+            except KVLayoutMismatchError as e:
+                self._emit(FailureEvent(rid, self.name, "engine_error", str(e), attempt=spec.attempt))
+                continue
+            except KVUnavailableError as e:
+                self.counters["transfers_failed"] += 1
+                self._prom.transfer("failed")
+                self._emit(FailureEvent(rid, self.name, "kv_unavailable", str(e), kv_lost=True, attempt=spec.attempt))
+                continue
+            end_ns = time.monotonic_ns()
+            self._transport(source.transport).ack(source)
+            self.counters["transfers"] += 1
+            self.counters["transfer_bytes"] += source.num_bytes
+            self._prom.transfer("ok")
+            self._emit(TransferEvent(rid, self.name, queued_ns, start_ns, end_ns, source.num_bytes, spec.attempt))
+            with self._staged_cv:
+                if key in self._cancelled:
+                    continue
+                self._staged.append(_Staged(spec, kv, queued_ns, start_ns, end_ns, source.num_bytes))
+                self._staged_bytes += source.num_bytes
+            self._commands.put(lambda: None)  # wake the loop
+
+    def _transport(self, name: str) -> Any:
+        if name not in self._transports:
+            self._transports[name] = make_transport(name)
+        return self._transports[name]
+
+    def _admit_staged(self) -> None:
+        while self._staged:
+            st = self._staged[0]
+            spec = st.spec
+            rid = spec.request_id
+            with self._staged_cv:
+                cancelled = (rid, spec.attempt) in self._cancelled
+            if not cancelled:
+                if self.engine.tracked(rid) is not None:  # an older attempt whose abort is still on its way
+                    self.engine.abort_request([rid])
+                m = RequestMetrics(
+                    arrived_ns=spec.arrived_ns, request_id=rid, num_prompt_tokens=len(spec.prompt_token_ids),
+                    worker=self.name, kv_transfer_queued_ns=st.queued_ns, kv_transfer_start_ns=st.start_ns,
+                    kv_transfer_end_ns=st.end_ns, kv_transfer_bytes=st.num_bytes)
+                try:
+                    admitted = self.engine.add_prefilled_request(
+                        rid, spec.prompt_token_ids, spec.output_token_ids, spec.params, st.kv, m)
+                except InvalidRequestError as e:
+                    self._unstage()
+                    self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
+                    continue
+                now = time.monotonic_ns()
+                if not admitted:
+                    waited = (now - st.end_ns) / 1e9
+                    if waited <= self.config.decode_admission_timeout_s:
+                        return  # backpressure: wait for blocks; later ones wait behind it (FIFO)
+                    self._unstage()
+                    self.counters["admission_timeouts"] += 1
+                    self._emit(FailureEvent(
+                        rid, self.name, "admission_timeout",
+                        f"{self.name} had no free KV blocks for request {rid!r} for {waited:.1f} s "
+                        f"(decode_admission_timeout_s={self.config.decode_admission_timeout_s:g}); the decode pool is "
+                        "full: add decode workers or KV memory", attempt=spec.attempt))
+                    continue
+                if spec.sampler_state is not None:
+                    self._restore_sampler_state(rid, spec.sampler_state)
+                # decode-local placeholders: the router takes only the decode phases from this record
+                m.decode_admitted_ns = m.first_scheduled_ns = m.first_token_sampled_ns = now
+                self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
+                self.counters["admitted"] += 1
+                self._emit(AdmittedEvent(rid, self.name, now, spec.attempt))
+            self._unstage()
+
+    def _sampler_state(self, rid: str) -> bytes | None:
+        gen = getattr(self.engine.executor, "sampler", None)
+        gen = gen._generators.get(rid) if gen is not None else None
+        return bytes(gen.get_state().numpy()) if gen is not None else None
+
+    def _restore_sampler_state(self, rid: str, state: bytes) -> None:
+        import torch
+
+        sampler = self.engine.executor.sampler  # type: ignore[attr-defined]
+        gen = torch.Generator()
+        gen.set_state(torch.tensor(list(state), dtype=torch.uint8))
+        sampler._generators[rid] = gen
+
+    def _unstage(self) -> None:
+        with self._staged_cv:
+            st = self._staged.popleft()
+            self._staged_bytes -= st.num_bytes
+            self._staged_cv.notify_all()
+
+    # both --------------------------------------------------------------------------------------------------
+    def _abort(self, request_ids: list[str], attempt: int) -> None:
+        with self._staged_cv:
+            request_ids = [rid for rid in request_ids if self._attempts.get(rid, attempt) <= attempt]  # not stale
+        for rid in request_ids:
+            if rid in self._leases:  # parked: freed through its lease (never under a reader)
+                self._end_lease(rid, "aborted")
+            elif self.engine.tracked(rid) is not None:
+                self.engine.abort_request([rid])
+            self._progress.pop(rid, None)
+        if self.role == "decode":
+            with self._staged_cv:
+                keep = [st for st in self._staged if (st.spec.request_id, st.spec.attempt) not in self._cancelled]
+                self._staged = deque(keep)
+                self._staged_bytes = sum(st.num_bytes for st in keep)
+                self._staged_cv.notify_all()
+
+    def _publish(self, outputs: list[Any]) -> None:
+        events = []
+        for out in outputs:
+            rid = out.request_id
+            progress = self._progress.get(rid)
+            if progress is None:
+                continue
+            m = out.metrics
+            new_tokens = out.token_ids[progress.num_tokens:]
+            new_logprobs = None
+            if out.logprobs is not None:
+                new_logprobs = out.logprobs[progress.num_logprobs:]
+                progress.num_logprobs = len(out.logprobs)
+            ev = TokenEvent(
+                request_id=rid, worker=self.name, new_token_ids=list(new_tokens),
+                sampled_ns=m.token_sampled_ns[progress.num_stamped:],
+                iteration_ids=m.token_iteration_ids[progress.num_stamped:], text=out.text,
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason, logprobs=new_logprobs,
+                attempt=progress.attempt)
+            progress.num_tokens, progress.num_stamped = len(out.token_ids), len(m.token_sampled_ns)
+            if self.role == "prefill" and self.engine.is_parked(rid):
+                ev.kv = self._open_lease(rid, progress.attempt)
+                ev.sampler_state = self._sampler_state(rid)
+            if out.finished or ev.kv is not None:
+                ev.record = dataclasses.replace(m, token_sent_ns=[])
+                del self._progress[rid]
+                if out.finished:
+                    with self._staged_cv:
+                        self._attempts.pop(rid, None)
+            events.append(ev)
+        if events:
+            self._emit(*events)
+
+
+def _current_actor() -> Any:
+    import ray
+
+    if not ray.is_initialized():
+        return None  # in-process worker (tests drive the class directly)
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:  # noqa: BLE001 - a driver, not an actor
+        return None
+
+
+class _WorkerPrometheus:
+    """Per-worker gauges and counters of disaggregation, next to the engine's own registry."""
+
+    def __init__(self, name: str, role: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"worker": name, "role": role}
+        names = list(labels)
+
+        def gauge(metric: str, doc: str) -> Any:
+            return Gauge(metric, doc, names, registry=self.registry).labels(**labels)
+
+        self.busy = gauge("phaselab_worker_busy_ratio", "Fraction of the worker's lifetime spent in iterations.")
+        self.parked = gauge("phaselab_worker_kv_leases", "Prefill: parked requests whose KV is leased, awaiting pickup.")
+        self.transfer_queue = gauge("phaselab_worker_kv_transfer_queue_length", "Decode: KV transfers not started.")
+        self.staged = gauge("phaselab_worker_kv_staged_requests", "Decode: KV received, waiting for free blocks.")
+        self._leases = Counter("phaselab_worker_kv_leases_ended", "Prefill: leases ended, by outcome "
+                               "(acked, released, expired, aborted, replaced).", [*names, "outcome"],
+                               registry=self.registry)
+        self._transfers = Counter("phaselab_worker_kv_transfers", "Decode: KV fetches, by outcome (ok, failed).",
+                                  [*names, "outcome"], registry=self.registry)
+        self.labels = labels
+
+    def set_stats(self, s: WorkerStats) -> None:
+        self.busy.set(s.busy_fraction)
+        self.parked.set(s.num_parked)
+        self.transfer_queue.set(s.num_transfer_queue)
+        self.staged.set(s.num_staged)
+
+    def lease_ended(self, outcome: str) -> None:
+        self._leases.labels(**self.labels, outcome=outcome or "released").inc()
+
+    def transfer(self, outcome: str) -> None:
+        self._transfers.labels(**self.labels, outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+@dataclass
+class WorkerHandle:
+    """The router's view of one worker actor."""
+
+    name: str
+    role: str
+    actor: Any
+    info: WorkerInfo | None = None
+    clock_offset_ns: int = 0  # worker clock - router clock
+    clock_error_ns: int = 0
+    alive: bool = True
+    death: str | None = None
+    stats: WorkerStats | None = None
+    poll_ref: Any = None
+    poll_issued_ns: int = 0
+    counters: dict[str, int] = field(default_factory=dict)
