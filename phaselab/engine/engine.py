@@ -137,6 +137,9 @@ class LLMEngine:
         # Off in disaggregated workers: their requests' one record is assembled by the router, so a
         # worker neither keeps finished requests nor observes request metrics (iterations still are).
         self.record_requests = True
+        # Keep every iteration and finished request for the run directory. A long-running server
+        # without --record turns this off, or both lists would grow without bound.
+        self.keep_records = True
         self.iterations: list[IterationRecord] = []
         self.finished_requests: list[RequestMetrics] = []
         self.metrics = EngineMetrics(labels={"worker": worker, "role": role})
@@ -281,7 +284,13 @@ class LLMEngine:
                 out = self._output(t, finished=True)
                 self._finish_metrics(out.metrics, out.outputs[0], now)
                 outs.append(out)
+        self.refresh_gauges()  # an idle engine runs no iteration that would update them
         return outs
+
+    def refresh_gauges(self) -> None:
+        sched = self.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        self.metrics.set_gauges(sched.num_running, sched.num_waiting, pool.usage, pool.num_used_blocks)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -379,7 +388,8 @@ class LLMEngine:
         m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
         if self.recording and self.record_requests:
             self.metrics.observe_finished(m)
-            self.finished_requests.append(m)
+            if self.keep_records:
+                self.finished_requests.append(m)
 
     def _record_iteration(self, plan: SchedulerOutput, result: StepResult, t0: int, t1: int, t2: int) -> None:
         """The iteration record (core/timing.py), Prometheus, and the prefix-cache counters."""
@@ -404,7 +414,8 @@ class LLMEngine:
         self._seen_query_tokens, self._seen_hit_tokens = stats.num_query_tokens, stats.num_hit_tokens
         pool = sched.kv_cache_manager.block_pool
         self.metrics.observe_iteration(rec, sched.num_running, sched.num_waiting, pool.usage, pool.num_used_blocks)
-        self.iterations.append(rec)
+        if self.keep_records:
+            self.iterations.append(rec)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (teacher forcing), outside the loop.

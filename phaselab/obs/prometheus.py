@@ -113,6 +113,10 @@ class EngineMetrics:
             if n > 0:
                 self.iteration_tokens[phase].observe(n)
         self.preemptions.inc(len(rec.preempted_request_ids))
+        self.set_gauges(num_running, num_waiting, kv_usage, blocks_used)
+
+    def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float, blocks_used: int) -> None:
+        """Queue and KV gauges; also set outside iterations (an abort on an idle engine)."""
         self.num_running.set(num_running)
         self.num_waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)

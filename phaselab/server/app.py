@@ -458,7 +458,11 @@ def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", 
             from phaselab.disagg.router import DisaggEngine
 
             return DisaggEngine(engine_args)
-        return LLMEngine(engine_args)
+        engine = LLMEngine(engine_args)
+        # without --record nothing reads the kept records, and a long-running server would
+        # accumulate every iteration and request forever
+        engine.keep_records = config.record_dir is not None
+        return engine
 
     state = ServerState(config, EngineThread(make_engine))
     app = create_app(state)

@@ -364,16 +364,9 @@ class EngineThread:
 
     def _refresh_idle_gauges(self) -> None:
         """The engine sets its gauges per iteration; once idle (e.g. after aborts) no iteration runs."""
-        m, engine = self._metrics, self.engine
-        if m is None or engine is None:
-            return
-        pool = engine.scheduler.kv_cache_manager.block_pool
-        for name, value in (("num_running", engine.scheduler.num_running),
-                            ("num_waiting", engine.scheduler.num_waiting),
-                            ("kv_usage", pool.usage), ("kv_blocks_used", pool.num_used_blocks)):
-            gauge = getattr(m, name, None)
-            if gauge is not None:
-                gauge.set(value)
+        engine = self.engine
+        if engine is not None and hasattr(engine, "refresh_gauges"):
+            engine.refresh_gauges()
 
     def _flush(self, status: tuple[str, str | None] | None = None) -> None:
         """Hand this round's acks, deltas and stats to the event loop in one callback."""
