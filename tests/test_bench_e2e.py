@@ -18,18 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-try:
-    import phaselab.server  # noqa: F401
-
-    HAVE_SERVER = True
-except ImportError:
-    HAVE_SERVER = False
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not HAVE_SERVER, reason="phaselab.server cannot be imported (the server is being written; "
-                                               "remove this guard when it lands)"),
-]
+pytestmark = pytest.mark.slow
 
 STARTUP_TIMEOUT_S = 300
 
