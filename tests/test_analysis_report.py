@@ -25,7 +25,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = Path(__file__).parent / "artifacts"
-CONFIG_DIRS = ("prefill-first", "chunked-256", "chunked-64")
+CONFIG_DIRS = ("prefill-first", "chunked-384", "chunked-96")  # --quick: budgets L/2 and L/8 of 768-token prompts
 RUN_FILES = ("config.json", "requests.jsonl", "iterations.jsonl", "trace.json",
              "diagnosis.md", "diagnosis.html", "diagnosis.json")
 
@@ -81,7 +81,7 @@ def test_prefill_first_interference_stalls_the_streams(compare_run):
     out, _, _ = compare_run
     summary = {c["name"]: c for c in json.loads((out / "summary.json").read_text())["configs"]}
     pf = summary["prefill-first"]["workloads"]["interference"]
-    small = summary["chunked-64"]["workloads"]["interference"]
+    small = summary["chunked-96"]["workloads"]["interference"]
     assert pf["top"]["cause"] == "stall"
     assert small["summary"]["max_stall_s"] < pf["summary"]["max_stall_s"]
 
@@ -162,7 +162,7 @@ def test_report_renders_in_a_browser(compare_run):
     assert dom.count('<table class="compare">') == 2  # interference and sweep, side by side
     assert dom.count("<svg") >= 1 and 'class="tl-stall"' in dom  # prefill-first's stalls are drawn
     assert 'id="timeline-png"' in dom and "data:image/png;base64," in dom
-    for label in ("prefill-first (unchunked)", "chunked, budget 256", "chunked, budget 64", "top diagnosis of each"):
+    for label in ("prefill-first (unchunked)", "chunked, budget 384", "chunked, budget 96", "top diagnosis of each"):
         assert label in dom
 
 
