@@ -59,6 +59,26 @@ class RequestMetrics:
     decode_worker: str | None = None
     error: str | None = None
 
+    # -- stamping: the one place the engine and the simulator apply the vocabulary's rules ---------
+    def stamp_preempted(self, now_ns: int) -> None:
+        self.preempted_ns.append(now_ns)
+        self.num_preemptions += 1
+
+    def stamp_scheduled(self, iteration_id: int, start_ns: int, end_ns: int, num_tokens: int,
+                        is_prefill: bool, num_cached_tokens: int) -> None:
+        """One iteration scheduled `num_tokens` of this request between start_ns and end_ns.
+
+        The first one ends the queue; the first after a preemption is the resume; a prefill
+        chunk before the first token counts as prefill, one after it as recompute."""
+        if self.first_scheduled_ns is None:
+            self.first_scheduled_ns = start_ns
+            self.num_cached_tokens = max(num_cached_tokens, 0)
+        if len(self.resumed_ns) < len(self.preempted_ns):
+            self.resumed_ns.append(start_ns)
+        if is_prefill:
+            chunks = self.prefill_chunks if self.first_token_sampled_ns is None else self.recompute_chunks
+            chunks.append(PrefillChunk(iteration_id, start_ns, end_ns, num_tokens))
+
     # -- derived durations (seconds; None when the phase did not happen) ---------------------------
     @staticmethod
     def _span(a: int | None, b: int | None) -> float | None:

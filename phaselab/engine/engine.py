@@ -30,7 +30,7 @@ from phaselab.core.outputs import RequestDelta, SchedulerOutput, StepResult, Tok
 from phaselab.core.request import Request, RequestStatus
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics, ScheduledChunk
+from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.engine.runner import ModelRunner, kv_block_bytes
@@ -65,7 +65,6 @@ class _Tracked:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    was_preempted: bool = False
     new_token_ids: list[int] = field(default_factory=list)
 
 
@@ -318,23 +317,11 @@ class LLMEngine:
         """
         for rid in plan.preempted_request_ids:
             if (t := self._tracked.get(rid)) is not None:
-                t.metrics.preempted_ns.append(start_ns)
-                t.metrics.num_preemptions += 1
-                t.was_preempted = True
+                t.metrics.stamp_preempted(start_ns)
         for s in plan.scheduled:
-            t = self._tracked.get(s.request_id)
-            if t is None:
-                continue
-            m = t.metrics
-            if m.first_scheduled_ns is None:
-                m.first_scheduled_ns = start_ns
-                m.num_cached_tokens = max(t.request.num_cached_tokens, 0)
-            if t.was_preempted:
-                m.resumed_ns.append(start_ns)
-                t.was_preempted = False
-            if s.is_prefill:
-                chunks = m.prefill_chunks if m.first_token_sampled_ns is None else m.recompute_chunks
-                chunks.append(PrefillChunk(plan.iteration_id, start_ns, end_ns, s.num_tokens))
+            if (t := self._tracked.get(s.request_id)) is not None:
+                t.metrics.stamp_scheduled(plan.iteration_id, start_ns, end_ns, s.num_tokens, s.is_prefill,
+                                          t.request.num_cached_tokens)
         outputs = []
         for d in deltas:
             t = self._tracked.get(d.request_id)

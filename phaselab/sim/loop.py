@@ -44,7 +44,7 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics, ScheduledChunk
+from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
 from phaselab.sim.cost import IterationCost, RooflineCostModel
@@ -115,7 +115,6 @@ class _Track:
     request: Request
     worker: SimWorker
     decode_worker: SimWorker | None = None
-    was_preempted: bool = False
     prefill_done: bool = False  # disagg: first token sampled on the prefill worker
     flows_pending: int = 0  # disagg: KV flows not yet arrived
     kv_tokens_sent: int = 0  # layer-by-layer: prompt tokens whose K/V have a flow
@@ -320,9 +319,7 @@ class Simulator:
         for rid in plan.preempted_request_ids:
             t = tracks.get(rid)
             if t is not None:
-                t.metrics.preempted_ns.append(start)
-                t.metrics.num_preemptions += 1
-                t.was_preempted = True
+                t.metrics.stamp_preempted(start)
                 t.kv_tokens_sent = 0
         chunks: list[ScheduledChunk] = []
         num_prefill = num_decode = 0
@@ -338,16 +335,7 @@ class Simulator:
             t = tracks.get(s.request_id)
             if t is None:
                 continue
-            m = t.metrics
-            if m.first_scheduled_ns is None:
-                m.first_scheduled_ns = start
-                m.num_cached_tokens = max(t.request.num_cached_tokens, 0)
-            if t.was_preempted:
-                m.resumed_ns.append(start)
-                t.was_preempted = False
-            if s.is_prefill:
-                (m.prefill_chunks if m.first_token_sampled_ns is None else m.recompute_chunks).append(
-                    PrefillChunk(iteration_id, start, end, n))
+            t.metrics.stamp_scheduled(iteration_id, start, end, n, s.is_prefill, t.request.num_cached_tokens)
         sent = end + self.delivery_ns
         for d in deltas:
             t = tracks.get(d.request_id)
