@@ -316,15 +316,9 @@ _TRACE_INPUT_TOKENS = ("input_tokens", "input_length", "prompt_tokens")
 _TRACE_OUTPUT_TOKENS = ("output_tokens", "output_length", "max_tokens")
 
 
-def trace_workload(path: str, builder: PromptBuilder | None, rng: np.random.Generator,
-                   num_prompts: int | None = None, id_prefix: str = "req") -> list[RequestSpec]:
-    """One request per JSONL line: {"arrival_s": 0.5, "input_tokens": 812, "output_tokens": 64}.
-
-    Arrival: `arrival_s`/`timestamp_s` (seconds) or `timestamp_ms`/`timestamp` (milliseconds, as in
-    the Mooncake traces); offsets are taken from the earliest one. Input: `prompt` (text sent as
-    is) or `input_tokens`/`input_length`/`prompt_tokens` (a prompt of exactly that many tokens is
-    built). Output: `output_tokens`/`output_length`/`max_tokens`. Optional `request_id`, `group`.
-    """
+def read_trace_rows(path: str, num_prompts: int | None = None) -> list[tuple[float, dict[str, Any]]]:
+    """(arrival in seconds, row) of every request line of a trace JSONL, in file order: the one
+    reader of the trace format, shared with the simulator. Raises WorkloadError naming the line."""
     rows: list[tuple[float, dict[str, Any]]] = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -344,6 +338,19 @@ def trace_workload(path: str, builder: PromptBuilder | None, rng: np.random.Gene
                 break
     if not rows:
         raise WorkloadError(f"{path} holds no requests")
+    return rows
+
+
+def trace_workload(path: str, builder: PromptBuilder | None, rng: np.random.Generator,
+                   num_prompts: int | None = None, id_prefix: str = "req") -> list[RequestSpec]:
+    """One request per JSONL line: {"arrival_s": 0.5, "input_tokens": 812, "output_tokens": 64}.
+
+    Arrival: `arrival_s`/`timestamp_s` (seconds) or `timestamp_ms`/`timestamp` (milliseconds, as in
+    the Mooncake traces); offsets are taken from the earliest one. Input: `prompt` (text sent as
+    is) or `input_tokens`/`input_length`/`prompt_tokens` (a prompt of exactly that many tokens is
+    built). Output: `output_tokens`/`output_length`/`max_tokens`. Optional `request_id`, `group`.
+    """
+    rows = read_trace_rows(path, num_prompts)
     t0 = min(a for a, _ in rows)
     specs = []
     for i, (arrival, row) in enumerate(rows):

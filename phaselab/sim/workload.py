@@ -17,7 +17,6 @@ JSONL keys. With `exact_prompts` (a tokenizer), the bench's own specs are tokeni
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from phaselab.bench.arrivals import arrival_offsets
-from phaselab.bench.workloads import InterferenceParams, LengthDist, WorkloadError
+from phaselab.bench.workloads import InterferenceParams, LengthDist, WorkloadError, read_trace_rows
 
 PREFIX_TOKEN_BASE = 1 << 40  # first token of a shared-prefix group's prompts
 UNIQUE_TOKEN_BASE = 1 << 41  # first token of a request's own part
@@ -134,32 +133,18 @@ def interference_requests(p: InterferenceParams = InterferenceParams()) -> list[
     return reqs
 
 
-_ARRIVAL_S = ("arrival_s", "timestamp_s")
-_ARRIVAL_MS = ("timestamp_ms", "timestamp")
 _INPUT = ("input_tokens", "input_length", "prompt_tokens")
 _OUTPUT = ("output_tokens", "output_length", "max_tokens")
 
 
 def trace_requests(path: str, num_prompts: int | None = None, time_scale: float = 1.0) -> list[SimRequest]:
-    """The bench's trace JSONL (Mooncake keys too): arrival, input and output token counts."""
-    rows: list[tuple[float, dict[str, Any]]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            t = _first(row, _ARRIVAL_S)
-            if t is None and (ms := _first(row, _ARRIVAL_MS)) is not None:
-                t = ms / 1000.0
-            n_in, n_out = _first(row, _INPUT), _first(row, _OUTPUT)
-            if t is None or n_in is None or n_out is None:
-                raise WorkloadError(f"{path}:{lineno}: the simulator needs an arrival time, an input token count "
-                                    f"({'/'.join(_INPUT)}) and an output token count ({'/'.join(_OUTPUT)})")
-            rows.append((float(t), row))
-            if num_prompts is not None and len(rows) >= num_prompts:
-                break
-    if not rows:
-        raise WorkloadError(f"{path} holds no requests")
+    """The bench's trace JSONL (Mooncake keys too), read by the bench's own reader; the simulator
+    needs token counts, not prompt text."""
+    rows = read_trace_rows(path, num_prompts)
+    for lineno, (_, row) in enumerate(rows, start=1):
+        if _first(row, _INPUT) is None or _first(row, _OUTPUT) is None:
+            raise WorkloadError(f"{path}: request {lineno}: the simulator needs an input token count "
+                                f"({'/'.join(_INPUT)}) and an output token count ({'/'.join(_OUTPUT)})")
     t0 = min(t for t, _ in rows)
     return [SimRequest(str(row.get("request_id") or f"req-{i}"), int(_first(row, _INPUT)), int(_first(row, _OUTPUT)),
                        (t - t0) * time_scale, group=str(row.get("group", "default")), index=i)
