@@ -25,7 +25,7 @@ from phaselab.analysis.timeline import load_timeline, render_png, render_timelin
 if TYPE_CHECKING:
     from phaselab.analysis.compare import CompareResult, ConfigResult
 
-WORKLOADS = ("interference", "sweep")
+WORKLOADS = ("load", "interference", "sweep")  # "load": compare --simulate only
 
 
 def _busy(d: Diagnosis) -> str:
@@ -117,17 +117,34 @@ def sweep_rows(results: list[ConfigResult]) -> tuple[list[str], list[list[str]],
 
 def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: str | None = None,
                 timelines: list[dict[str, Any]] | None = None) -> Doc:
-    doc = Doc("phaselab compare: prefill-first vs chunked prefill vs disaggregated serving")
     p = result.plan
     inter = p.interference
-    doc.add(Para(
-        f"Bundled model, {p.dtype}, KV cache {p.kv_cache_memory}; every configuration runs the same two workloads. "
-        f"**interference**: {inter.num_streams} streams ({inter.stream_input_len}-token prompts, "
-        f"{inter.stream_output_len} tokens each) decode while {inter.num_long_prompts} prompts of "
-        f"{inter.long_input_len} tokens arrive (when every stream has {inter.first_at}, "
-        f"{inter.first_at + inter.every}, ... tokens). **sweep**: one request at a time with inputs of "
-        f"{', '.join(map(str, p.sweep_lens))} tokens ({p.sweep_output_len} output tokens). "
-        f"Wall time {fmt.s(result.wall_s)}."))
+    sim = p.simulation
+    if sim is None:
+        doc = Doc("phaselab compare: prefill-first vs chunked prefill vs disaggregated serving")
+        doc.add(Para(
+            f"Bundled model, {p.dtype}, KV cache {p.kv_cache_memory}; every configuration runs the same two workloads. "
+            f"**interference**: {inter.num_streams} streams ({inter.stream_input_len}-token prompts, "
+            f"{inter.stream_output_len} tokens each) decode while {inter.num_long_prompts} prompts of "
+            f"{inter.long_input_len} tokens arrive (when every stream has {inter.first_at}, "
+            f"{inter.first_at + inter.every}, ... tokens). **sweep**: one request at a time with inputs of "
+            f"{', '.join(map(str, p.sweep_lens))} tokens ({p.sweep_output_len} output tokens). "
+            f"Wall time {fmt.s(result.wall_s)}."))
+    else:
+        doc = Doc(f"phaselab compare (simulated): prefill-first vs chunked prefill vs disaggregated serving, "
+                  f"{sim.model} on {sim.num_gpus} x {sim.hardware}")
+        rate = "all at once" if sim.request_rate == float("inf") else f"{sim.request_rate:g} req/s"
+        doc.add(Para(
+            f"Simulated with phaselab's own scheduler and router on a virtual clock (docs/simulator.md): "
+            f"{sim.model}, {sim.dtype}, {sim.num_gpus} x {sim.hardware}, TP{sim.tp} per engine, KV cache from device "
+            f"memory. Every configuration runs the same three workloads. **load**: {sim.num_prompts} requests, inputs "
+            f"{sim.input_len}, outputs {sim.output_len} tokens, open loop at {rate} "
+            f"({'Poisson' if sim.burstiness == 1 else f'gamma, burstiness {sim.burstiness:g}'}, seed {sim.seed}). "
+            f"**interference**: {inter.num_streams} streams ({inter.stream_input_len}-token prompts, "
+            f"{inter.stream_output_len} tokens each) decode while {inter.num_long_prompts} long prompts arrive, "
+            f"from {fmt.s(sim.long_start_s)} every {fmt.s(sim.long_interval_s)}. **sweep**: one request at a time "
+            f"with inputs of {', '.join(map(str, p.sweep_lens))} tokens (those the context holds). "
+            f"Simulation wall time {fmt.s(result.wall_s)}."))
     for n in result.notes:
         doc.add(Para(n, "note"))
     configs = [r for r in result.results]
