@@ -574,6 +574,9 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
     if not run.iterations:
         diag.notes.append("no iteration records: decode time is not split, stalls are not aligned with iterations")
     diag.notes.append(f"machine ceilings: {ceilings.label()}")
+    if roofline and ceilings.kind == "simulated":
+        diag.notes.append(f"--roofline {roofline} not used: a simulated run is judged against the hardware it "
+                          "simulated (config.json)")
     diag.notes.append("figures labelled MODELED come from the model config and the plans (docs/metrics.md), "
                       "not from a measurement")
     diag.findings = rank_findings(diag)
@@ -660,7 +663,7 @@ def _prefill_finding(d: Diagnosis) -> Finding:
         gemm = d.ceilings.gemm_flops_per_s
         ev.append(f"prefill-only iterations: {p.tokens_per_s:.0f} tokens/s; MODELED "
                   f"{fmt.rate(p.achieved_flops, 'FLOP/s')}"
-                  f" = {fmt.pct((p.achieved_flops or 0) / gemm)} of the machine's GEMM rate "
+                  f" = {fmt.pct((p.achieved_flops or 0) / gemm)} of {_ceiling_owner(d)} GEMM rate "
                   f"({d.ceilings.kind} {fmt.rate(gemm, 'FLOP/s')})")
     if p.mean_chunks:
         ev.append(f"chunks per prompt: {p.mean_chunks:.1f}; waits between chunks {fmt.pct(p.wait_share_of_ttft)} "
@@ -672,7 +675,8 @@ def _prefill_finding(d: Diagnosis) -> Finding:
         change = (f"chunks wait between iterations ({fmt.pct(p.wait_share_of_ttft)} of TTFT): raise "
                   f"--max-num-batched-tokens (now {budget}) or --max-num-partial-prefills")
     else:
-        change = ("prefill compute is the TTFT on this machine: send fewer uncached prompt tokens (shared prefixes "
+        change = (f"prefill compute is the TTFT on {d.ceilings.where}: send fewer uncached prompt tokens "
+                  "(shared prefixes "
                   "hit the prefix cache), give prefill its own capacity (disaggregated prefill workers, a faster "
                   "device); chunking does not shorten it")
         if p.bends_upward:
@@ -686,6 +690,11 @@ def _prefill_finding(d: Diagnosis) -> Finding:
     return _f("prefill", key, verdict, ev, change, check)
 
 
+def _ceiling_owner(d: Diagnosis) -> str:
+    """ "the machine's" or "the simulated h100 x TP4's": whose roofline a figure is compared with."""
+    return f"{d.ceilings.where}'s" if d.ceilings.kind == "simulated" else "the machine's"
+
+
 def _transfer_finding(d: Diagnosis) -> Finding:
     x = d.disagg
     if x is None:
@@ -693,8 +702,10 @@ def _transfer_finding(d: Diagnosis) -> Finding:
                   "—", "—")
     ev = [f"{x.num_transfers} KV transfers, {fmt.nbytes(x.bytes_total)} in all ({fmt.nbytes(x.bytes_mean)} per "
           f"request); transfer p50 {fmt.s(x.transfer_p50_s)}, p99 {fmt.s(x.transfer_p99_s)}",
-          f"achieved bandwidth {fmt.rate(x.bandwidth)} (bytes / transfer time); machine memory bandwidth "
-          f"{fmt.rate(d.ceilings.bandwidth_bytes_per_s)} ({d.ceilings.kind})",
+          f"achieved bandwidth {fmt.rate(x.bandwidth)} (bytes / transfer time); "
+          + (f"link {d.ceilings.link_name}: {fmt.rate(d.ceilings.link_bandwidth_bytes_per_s)} per direction between "
+             f"a prefill and a decode engine (simulated)" if d.ceilings.link_bandwidth_bytes_per_s else
+             f"machine memory bandwidth {fmt.rate(d.ceilings.bandwidth_bytes_per_s)} ({d.ceilings.kind})"),
           f"waiting for the transport: p50 {fmt.s(x.transfer_queue_p50_s)}; decode admission wait p50 "
           f"{fmt.s(x.admission_wait_p50_s)}, p99 {fmt.s(x.admission_wait_p99_s)}",
           f"transfer share of TTFT {fmt.pct(x.share_of_ttft)}; of the gap after the first token "
@@ -796,7 +807,7 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
     bw = d.ceilings.bandwidth_bytes_per_s
     if x.bandwidth_p50:
         frac = x.bandwidth_p50 / bw
-        ev.append(f"achieved bandwidth p50 {fmt.rate(x.bandwidth_p50)} = {fmt.pct(frac)} of the machine's "
+        ev.append(f"achieved bandwidth p50 {fmt.rate(x.bandwidth_p50)} = {fmt.pct(frac)} of {_ceiling_owner(d)} "
                   f"{fmt.rate(bw)} ({d.ceilings.kind})"
                   + (" — a memory-bound signature" if frac > 0.5 else
                      " — well below the memory roof: per-step overheads and compute dominate"))
@@ -858,13 +869,15 @@ def _decode_step_finding(d: Diagnosis) -> Finding:
         change = head + ("): per-step overhead and compute, not bandwidth, set the pace"
                   + (f" (torch threads per engine: {', '.join(map(str, threads))}; a disaggregated deployment on few "
                      "cores splits them between the pools)" if threads else "")
-                  + "; batch more streams per step (raise --max-num-seqs / client concurrency) to amortize it, give "
-                  "the decode engine more cores, or use a faster kernel path (bf16 GEMM, a GPU)")
+                  + "; batch more streams per step (raise --max-num-seqs / client concurrency) to amortize it, "
+                  + ("spread each engine over more GPUs (tensor parallelism), or a faster device (the simulated "
+                     "per-iteration overheads are in config.json's cost_model)" if d.ceilings.kind == "simulated" else
+                     "give the decode engine more cores, or use a faster kernel path (bf16 GEMM, a GPU)"))
     check = (f"output throughput above {fmt.num((tput or 0) * 1.5, 1)} tokens/s (now {fmt.num(tput, 1)}) with ITL p50 "
              f"within +20% (now {fmt.s(d.summary.itl_p50_s)})")
     verdict = (f"decode steps at their per-step cost: p50 {fmt.s(x.step_p50_s if x else None)}, weights "
-               f"{fmt.nbytes(weights)} per step (floor at the machine's {d.ceilings.kind} "
-               f"bandwidth {fmt.s(floor)})")
+               f"{fmt.nbytes(weights)} per step (floor at {_ceiling_owner(d)}"
+               f"{'' if d.ceilings.kind == 'simulated' else ' ' + d.ceilings.kind} bandwidth {fmt.s(floor)})")
     return _f("decode-step", KeyFigure("decode step p50", (x.step_p50_s or 0.0) if x else 0.0, "s"), verdict,
               _decode_evidence(d), change, check)
 

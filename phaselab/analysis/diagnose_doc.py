@@ -123,8 +123,9 @@ def _decode_section(d: Diagnosis, doc: Doc) -> None:
                    "achieved bandwidth"],
                   [[f"{b.batch_lo}-{b.batch_hi}", str(b.steps), fmt.s(b.step_s), f"{b.context:.0f}",
                     fmt.nbytes(b.kv_read_bytes), fmt.rate(b.bandwidth)] for b in x.buckets],
-                  caption=f"Decode-only iterations. Machine bandwidth {fmt.rate(d.ceilings.bandwidth_bytes_per_s)} "
-                          f"({d.ceilings.kind}).", align_left=1))
+                  caption=f"Decode-only iterations. {'Machine' if d.ceilings.kind != 'simulated' else 'Simulated'} "
+                          f"bandwidth {fmt.rate(d.ceilings.bandwidth_bytes_per_s)} ({d.ceilings.label()}).",
+                  align_left=1))
 
 
 def _stall_section(d: Diagnosis, doc: Doc) -> None:

@@ -24,14 +24,21 @@ ROOFLINE_RELATIVE = Path("benchmarks") / "results" / "roofline.json"
 
 @dataclass(frozen=True)
 class Ceilings:
-    bandwidth_bytes_per_s: float
-    gemm_flops_per_s: float
+    bandwidth_bytes_per_s: float  # what decode steps are judged against (simulated: a decode engine's GPUs)
+    gemm_flops_per_s: float  # what prefill is judged against (simulated: a prefill engine's GPUs)
     source: str  # the file read, "assumed default", or the simulated hardware
     kind: str = "measured"  # "measured" | "assumed" | "simulated"
+    link_name: str | None = None  # simulated disaggregation: the KV transfer link
+    link_bandwidth_bytes_per_s: float | None = None  # one engine pair's share of it, per direction
 
     @property
     def measured(self) -> bool:
         return self.kind != "assumed"
+
+    @property
+    def where(self) -> str:
+        """What the figures describe, for sentences: "this machine" or the simulated hardware."""
+        return f"the simulated {self.source.split(' (config.json')[0]}" if self.kind == "simulated" else "this machine"
 
     def label(self) -> str:
         if self.kind == "simulated":
@@ -42,16 +49,30 @@ class Ceilings:
 
 
 def simulated_ceilings(config: dict[str, Any]) -> Ceilings | None:
-    """A simulated run (config.json `"simulated": true`) is judged against the hardware it simulated:
-    one decode worker's ceilings (the device's times its tensor-parallel degree)."""
+    """A simulated run (config.json `"simulated": true`) is judged against the hardware it simulated
+    (config.json["hardware"]: datasheet peak FLOP/s and bandwidth), never this machine's roofline:
+    prefill against one prefill engine's GPUs (peak x its TP), decode against one decode engine's
+    (bandwidth x its TP); colocated engines do both. A disaggregated run also names its KV link."""
     hw = config.get("hardware") if config.get("simulated") else None
-    if not isinstance(hw, dict) or not hw.get("mem_bandwidth"):
+    if not isinstance(hw, dict) or not hw.get("mem_bandwidth") or not hw.get("peak_flops"):
         return None
     dep = config.get("deployment") or {}
-    role = "decode" if dep.get("mode") == "disagg" else "colocated"
-    tp = int((dep.get(role) or {}).get("tp") or 1)
-    return Ceilings(float(hw["mem_bandwidth"]) * tp, float(hw.get("peak_flops") or DEFAULT_GEMM_FLOPS_PER_S) * tp,
-                    f"{hw.get('name', 'device')} x TP{tp} (config.json)", "simulated")
+    disagg = dep.get("mode") == "disagg"
+
+    def tp(role: str) -> int:
+        return int((dep.get(role) or {}).get("tp") or 1)
+
+    tp_p, tp_d = (tp("prefill"), tp("decode")) if disagg else (tp("colocated"), tp("colocated"))
+    name = hw.get("name", "device")
+    where = f"{name} x TP{tp_d}" if tp_p == tp_d else f"{name} x TP{tp_p} (prefill) / TP{tp_d} (decode)"
+    link = (config.get("transfer") or {}).get("link") if disagg else None
+    link_bw = None
+    if isinstance(link, dict) and link.get("bandwidth"):  # per port; per-GPU links: one port per GPU (sim/transfer)
+        link_bw = float(link["bandwidth"]) * (min(tp_p, tp_d) if link.get("per_gpu", True) else 1)
+    return Ceilings(float(hw["mem_bandwidth"]) * tp_d, float(hw["peak_flops"]) * tp_p,
+                    f"{where} (config.json: {float(hw['peak_flops']) / 1e12:g} TFLOP/s, "
+                    f"{float(hw['mem_bandwidth']) / 1e12:g} TB/s per device)", "simulated",
+                    link.get("name") if isinstance(link, dict) else None, link_bw)
 
 
 def _candidates(explicit: str | None) -> list[Path]:
