@@ -127,6 +127,62 @@ def test_calibration_recovers_a_known_cost_model():
         assert refit.predict(plan_of(entries)).duration_ns == pytest.approx(t, rel=0.01)
 
 
+def _synthetic_run(truth: CostParams, n: int = 300, seed: int = 2):
+    config = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
+    spec, hw = ModelSpec.from_model_config(config), get_hardware("cpu")
+    cm = RooflineCostModel(spec, hw, truth)
+    rng = random.Random(seed)
+    records, measured = [], []
+    for k in range(n):
+        entries = [(rng.randrange(16, 900), 1, True) for _ in range(rng.randrange(0, 16))]
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            entries.append((rng.randrange(0, 256), rng.randrange(16, 256), True))
+        if not entries:
+            continue
+        cost = cm.predict(plan_of(entries))
+        records.append(IterationRecord(k, "w", "colocated", 0, cost.duration_ns,
+                                       num_prefill_tokens=sum(n for _, n, _ in entries if n > 1),
+                                       num_decode_tokens=sum(1 for _, n, _ in entries if n == 1),
+                                       chunks=[ScheduledChunk(str(i), n, n > 1, s + n)
+                                               for i, (s, n, _) in enumerate(entries)],
+                                       modeled=cost.modeled))
+        measured.append(cost.duration_ns)
+    return spec, hw, records, measured
+
+
+def test_calibration_finds_kv_bound_decodes_from_a_compute_bound_start():
+    """This CPU's shape: GEMMs compute-bound, decode attention bound by its K/V reads (own
+    efficiency, not the weights'), a cost per prefill chunk. The default start assigns attention to
+    its compute branch everywhere; the fit must still find the K/V term and the chunk cost, and
+    the simulator must predict with the fitted parameters what the fit did (terms that bound no
+    iteration are set so that they still bind none)."""
+    truth = CostParams(compute_efficiency=1.3, rows_half=0.0, attention_efficiency=2.0, memory_efficiency=20.0,
+                       kv_memory_efficiency=0.6, iteration_overhead_s=0.045, layer_overhead_s=0.0,
+                       request_overhead_s=1e-3, chunk_overhead_s=0.02, token_overhead_s=0.0)
+    spec, hw, records, measured = _synthetic_run(truth)
+    fit = fit_params(records, measured, spec, hw, 2, "synthetic")
+    s = fit.summary()
+    assert s["relative_error_abs_p99"] < 0.01
+    assert fit.params.kv_memory_efficiency == pytest.approx(0.6, rel=0.05)
+    assert fit.params.chunk_overhead_s == pytest.approx(0.02, rel=0.05)
+    assert fit.params.request_overhead_s == pytest.approx(1e-3, rel=0.1)
+    assert "bound no iteration" in fit.params.source("memory_efficiency")
+    refit = RooflineCostModel(spec, hw, fit.params)
+    for rec, t in zip(records, measured):
+        entries = [(c.context_len - c.num_tokens, c.num_tokens, True) for c in rec.chunks]
+        assert refit.predict(plan_of(entries)).duration_ns == pytest.approx(t, rel=0.01)
+
+
+def test_cost_params_without_the_newer_fields_keep_their_meaning():
+    """A parameters file written before kv_memory_efficiency / chunk_overhead_s existed: K/V reads
+    at memory_efficiency, no per-chunk cost (and the sources say so)."""
+    p = CostParams.from_json({"memory_efficiency": 0.5, "request_overhead_s": 1e-4})
+    assert p.kv_efficiency == 0.5 and p.chunk_overhead_s == 0.0
+    assert "memory_efficiency's value" in p.source("kv_memory_efficiency")
+    assert CostParams.from_json(p.to_json()) == p
+
+
 def test_plan_counts():
     c = plan_counts(plan_of([(4, 3, False), (7, 1, True), (2, 1, True)]))
     assert (c.num_entries, c.num_tokens, c.num_sampled) == (3, 5, 2)

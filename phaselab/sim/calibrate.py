@@ -1,20 +1,25 @@
 """Fit the cost model's efficiencies and overheads to a real run's iteration log.
 
     iterations.jsonl: per iteration the plan's MODELED counts (FLOPs, weight / KV bytes, tokens,
-                      requests) and its MEASURED time
-    model (cost.py):  t = o_iter + o_req n
+                      requests, prefill chunks) and its MEASURED time
+    model (cost.py):  t = o_iter + o_req n + o_chunk n_chunks
                         + max(F_lin / P x (a + c / T), W / B x m)      a = 1/e_max, c = rows_half/e_max
-                        + max(F_att / P x a_att, KV / B x m)           a_att = 1/e_att, m = 1/e_mem
+                        + max(F_att / P x a_att, KV / B x m_kv)        a_att = 1/e_att, m = 1/e_mem, m_kv = 1/e_kv
                       (L x o_layer is constant within one model: it is folded into o_iter)
 
-With each max() resolved to one branch the model is linear in (o_iter, o_req, a, c, m, a_att) >= 0,
-so the fit alternates: assign each iteration's branches with the current parameters, solve the
-non-negative least squares of the error weighted by 1/sqrt(measured time) (between the relative
-error, which lets short decode steps count as much as long prefills but biases the total low, and
-the absolute error, which long prefills dominate), reassign, until the assignment is stable; the
-best fit seen is kept. P and B
-are the hardware entry's peak FLOP/s and bandwidth (for this CPU: measured by
-benchmarks/roofline.py); the fitted efficiencies are relative to them.
+With each max() resolved to one branch the model is linear in (o_iter, o_req, o_chunk, a, c, m,
+a_att, m_kv) >= 0, so the fit alternates: assign each iteration's branches with the current
+parameters, solve the non-negative least squares of the error weighted by 1/sqrt(measured time)
+(between the relative error, which lets short decode steps count as much as long prefills but
+biases the total low, and the absolute error, which long prefills dominate), reassign, until the
+assignment is stable. It starts from the given parameters and from every all-one-branch
+assignment and from a grid of splits of the iterations by the ratio of each max()'s two branches (a
+run whose decodes are bound by their K/V reads is never found from a start where attention is
+compute-bound everywhere), and keeps the best fit seen. An efficiency no iteration was bound by
+is pinned at its starting value and the fit repeated, so that the fitted overheads account for
+what that term adds where the simulator will apply it. P and B are the hardware entry's peak
+FLOP/s and bandwidth (for this CPU: measured by benchmarks/roofline.py); the fitted efficiencies
+are relative to them.
 
 The measured time of an iteration is its cycle, as the simulator's clock advances it: start to
 the next iteration's start while the engine stayed busy (the engine loop's own work between two
@@ -37,7 +42,8 @@ from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.catalog import HardwareSpec, ModelSpec, get_hardware
 from phaselab.sim.cost import CostParams, default_params
 
-COLUMNS = ("o_iter", "o_req", "a_lin", "c_lin", "m_mem", "a_att")
+COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "m_kv")
+EFFICIENCY_COLUMNS = ("a_lin", "m_mem", "a_att", "m_kv")  # 1 / an efficiency: pinned when the fit leaves it at 0
 
 
 @dataclass
@@ -113,11 +119,12 @@ def _features(iterations: list[IterationRecord], model: ModelSpec, hw: HardwareS
               ) -> dict[str, np.ndarray]:
     """Per iteration: the raw quantities each column of the linear model multiplies."""
     kv_per_token = model.kv_bytes_per_token(dtype_bytes)
-    f: dict[str, list[float]] = {k: [] for k in ("n", "T", "lin_c", "lin_m", "att_c", "att_m")}
+    f: dict[str, list[float]] = {k: [] for k in ("n", "nc", "T", "lin_c", "lin_m", "att_c", "att_m")}
     for rec in iterations:
         m = rec.modeled
         t = rec.num_prefill_tokens + rec.num_decode_tokens
         f["n"].append(len(rec.chunks))
+        f["nc"].append(sum(1 for c in rec.chunks if c.num_tokens > 1))
         f["T"].append(t)
         f["lin_c"].append(m.matmul_flops / hw.peak_flops)
         f["lin_m"].append(m.weight_bytes / hw.mem_bandwidth)
@@ -130,29 +137,72 @@ def _features(iterations: list[IterationRecord], model: ModelSpec, hw: HardwareS
 
 
 def _predict(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    o_iter, o_req, a, c, m, a_att = x
+    o_iter, o_req, o_chunk, a, c, m, a_att, m_kv = x
     lin_c = f["lin_c"] * (a + c / np.maximum(f["T"], 1))
     lin_m = f["lin_m"] * m
     att_c = f["att_c"] * a_att
-    att_m = f["att_m"] * m
-    pred = o_iter + o_req * f["n"] + np.maximum(lin_c, lin_m) + np.maximum(att_c, att_m)
+    att_m = f["att_m"] * m_kv
+    pred = o_iter + o_req * f["n"] + o_chunk * f["nc"] + np.maximum(lin_c, lin_m) + np.maximum(att_c, att_m)
     return pred, lin_c >= lin_m, att_c >= att_m
 
 
 def _design(f: dict[str, np.ndarray], lin_compute: np.ndarray, att_compute: np.ndarray) -> np.ndarray:
     T = np.maximum(f["T"], 1)
     return np.column_stack([
-        np.ones_like(T), f["n"],
+        np.ones_like(T), f["n"], f["nc"],
         np.where(lin_compute, f["lin_c"], 0.0), np.where(lin_compute, f["lin_c"] / T, 0.0),
-        np.where(lin_compute, 0.0, f["lin_m"]) + np.where(att_compute, 0.0, f["att_m"]),
-        np.where(att_compute, f["att_c"], 0.0),
+        np.where(lin_compute, 0.0, f["lin_m"]),
+        np.where(att_compute, f["att_c"], 0.0), np.where(att_compute, 0.0, f["att_m"]),
     ])
 
 
 def _to_x(p: CostParams, num_layers: int) -> np.ndarray:
     return np.array([p.iteration_overhead_s + num_layers * p.layer_overhead_s, p.request_overhead_s,
-                     1 / p.compute_efficiency, p.rows_half / p.compute_efficiency,
-                     1 / p.memory_efficiency, 1 / p.attention_efficiency])
+                     p.chunk_overhead_s, 1 / p.compute_efficiency, p.rows_half / p.compute_efficiency,
+                     1 / p.memory_efficiency, 1 / p.attention_efficiency, 1 / p.kv_efficiency])
+
+
+def _unbind(x: np.ndarray, f: dict[str, np.ndarray], fallback: np.ndarray, pinned: dict[str, float]
+            ) -> tuple[np.ndarray, set[str]]:
+    x = x.copy()
+    i = {name: COLUMNS.index(name) for name in COLUMNS}
+    T = np.maximum(f["T"], 1)
+    lin_c = f["lin_c"] * (x[i["a_lin"]] + x[i["c_lin"]] / T)
+    other = {"a_lin": (f["lin_m"] * x[i["m_mem"]], f["lin_c"]), "m_mem": (lin_c, f["lin_m"]),
+             "a_att": (f["att_m"] * x[i["m_kv"]], f["att_c"]), "m_kv": (f["att_c"] * x[i["a_att"]], f["att_m"])}
+    unbound = set()
+    for name in EFFICIENCY_COLUMNS:
+        if name in pinned or x[i[name]] > 0:
+            continue
+        unbound.add(name)
+        bound, feature = other[name]
+        ok = feature > 0
+        x[i[name]] = float(np.min(bound[ok] / feature[ok])) if ok.any() and (bound[ok] > 0).all() else fallback[i[name]]
+    return x, unbound
+
+
+def _alternate(f: dict[str, np.ndarray], y: np.ndarray, scale: np.ndarray, pinned: dict[str, float],
+               starts: list[tuple[np.ndarray, np.ndarray]], max_rounds: int) -> tuple[float, np.ndarray]:
+    """Best (weighted SSE, coefficients) over alternations from each start (branch assignments)."""
+    free = [i for i, name in enumerate(COLUMNS) if name not in pinned]
+    fixed_x = np.array([pinned.get(name, 0.0) for name in COLUMNS])
+    best: tuple[float, np.ndarray] | None = None
+    for lin_compute, att_compute in starts:
+        seen = set()
+        for _ in range(max_rounds):
+            key = (lin_compute.tobytes(), att_compute.tobytes())
+            if key in seen:
+                break
+            seen.add(key)
+            a = _design(f, lin_compute, att_compute) / scale[:, None]
+            x = fixed_x.copy()
+            x[free] = nnls(a[:, free], y / scale - a @ fixed_x)
+            pred, lin_compute, att_compute = _predict(x, f)
+            sse = float((((pred - y) / scale) ** 2).sum())  # the prediction's own branches, not the design's
+            if best is None or sse < best[0]:
+                best = (sse, x)
+    assert best is not None
+    return best
 
 
 def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model: ModelSpec, hw: HardwareSpec,
@@ -167,62 +217,65 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
     """
     assert len(iterations) == len(measured_ns) and iterations, "nothing to fit"
     assert weighting in ("relative", "sqrt", "absolute"), weighting
-    fixed = fixed or {}
+    pinned = dict(fixed or {})
     f = _features(iterations, model, hw, dtype_bytes)
     y = np.asarray(measured_ns, dtype=float) / 1e9
     scale = {"relative": y, "sqrt": np.sqrt(y * y.mean()), "absolute": np.full_like(y, y.mean())}[weighting]
-    free = [i for i, name in enumerate(COLUMNS) if name not in fixed]
-    pinned = np.array([fixed.get(name, 0.0) for name in COLUMNS])
     start = start or default_params(hw)
-    x = _to_x(start, model.num_layers)
-    x[[i for i in range(len(COLUMNS)) if i not in free]] = pinned[[i for i in range(len(COLUMNS)) if i not in free]]
-    best: tuple[float, np.ndarray] | None = None
-    seen = set()
-    for _ in range(max_rounds):
-        _, lin_compute, att_compute = _predict(x, f)
-        key = (lin_compute.tobytes(), att_compute.tobytes())
-        if key in seen:
-            break
-        seen.add(key)
-        a = _design(f, lin_compute, att_compute) / scale[:, None]
-        rhs = y / scale - a @ pinned
-        x_new = pinned.copy()
-        x_new[free] = nnls(a[:, free], rhs)
-        pred, _, _ = _predict(x_new, f)
-        sse = float((((pred - y) / scale) ** 2).sum())
-        if best is None or sse < best[0]:
-            best = (sse, x_new)
-        x = x_new
-    assert best is not None
-    x = best[1]
-    o_iter, o_req, a, c, m, a_att = (float(v) for v in x)
+    x0 = _to_x(start, model.num_layers)
+    for name, value in pinned.items():
+        x0[COLUMNS.index(name)] = value
+    _, lin0, att0 = _predict(x0, f)
+    # branch assignments to start from: the starting parameters', and a grid of the ratio between
+    # each max()'s two branches (each start splits the iterations at another ratio)
+    ratios = [np.inf, *(10.0 ** np.arange(-2.0, 2.01, 0.5)), 0.0]
+    starts = [(lin0, att0)] + [(f["lin_c"] * r1 >= f["lin_m"], f["att_c"] * r2 >= f["att_m"])
+                               for r1 in ratios for r2 in ratios]
+    _, x = _alternate(f, y, scale, pinned, starts, max_rounds)
+    # an efficiency no iteration was bound by (coefficient 0) is set to the largest coefficient (the
+    # lowest efficiency) at which its branch still binds no iteration of the run: the simulator then
+    # predicts every iteration of the run exactly as the fit did, and the term is an upper bound
+    x, unbound = _unbind(x, f, x0, pinned)
+    o_iter, o_req, o_chunk, a, c, m, a_att, m_kv = (float(v) for v in x)
     note = f"fitted on run {label} ({len(y)} iterations)"
 
-    def eff(inv: float, fallback: float) -> tuple[float, str]:
-        if inv > 0:
-            return 1 / inv, note
-        return fallback, f"fitted on run {label}: no iteration was bound by this term, kept at {fallback:g}"
+    def eff(column: str, inv: float) -> tuple[float, str]:
+        if column in unbound:
+            return 1 / inv, (f"fitted on run {label}: bound no iteration; set to the lowest efficiency at which it "
+                             "still binds none (its time there is an upper bound)")
+        if column in (fixed or {}):
+            return 1 / inv, f"pinned at {1 / inv:g} for the fit of run {label}"
+        return 1 / inv, note
 
-    e_max, s_e = eff(a, start.compute_efficiency)
-    e_mem, s_m = eff(m, start.memory_efficiency)
-    e_att, s_a = eff(a_att, start.attention_efficiency)
-    rows_half, s_r = (c * e_max, note) if a > 0 else (start.rows_half, f"fitted on run {label}: no iteration "
-                                                       f"was bound by GEMM compute, kept at {start.rows_half:g}")
+    e_max, s_e = eff("a_lin", a)
+    e_mem, s_m = eff("m_mem", m)
+    e_att, s_a = eff("a_att", a_att)
+    e_kv, s_kv = eff("m_kv", m_kv)
+    rows_half, s_r = c * e_max, (note if "a_lin" not in unbound else f"fitted on run {label}: 0, GEMM compute "
+                                 "bound no iteration")
     params = CostParams(
-        compute_efficiency=e_max, rows_half=rows_half,
-        attention_efficiency=e_att, memory_efficiency=e_mem, iteration_overhead_s=o_iter, layer_overhead_s=0.0,
-        request_overhead_s=o_req, token_overhead_s=0.0, allreduce_latency_s=start.allreduce_latency_s,
+        compute_efficiency=e_max, rows_half=rows_half, attention_efficiency=e_att, memory_efficiency=e_mem,
+        kv_memory_efficiency=e_kv, iteration_overhead_s=o_iter, layer_overhead_s=0.0, request_overhead_s=o_req,
+        chunk_overhead_s=o_chunk, token_overhead_s=0.0, allreduce_latency_s=start.allreduce_latency_s,
         sources={"compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
+                 "kv_memory_efficiency": s_kv,
                  "iteration_overhead_s": note + "; per-layer overheads folded in",
                  "layer_overhead_s": f"folded into iteration_overhead_s (one model in run {label})",
-                 "request_overhead_s": note,
+                 "request_overhead_s": note, "chunk_overhead_s": note,
                  "token_overhead_s": "not fitted: per-token time is the roofline's (it would absorb GEMM compute)",
                  "allreduce_latency_s": start.source("allreduce_latency_s")})
-    # the error of what the simulator will predict with these parameters (a term the fit left at 0
-    # keeps its starting efficiency, which may bind where the fit's zero did not)
+    # the error of what the simulator will predict with these parameters
     pred, _, _ = _predict(_to_x(params, model.num_layers), f)
     return Fit(params, dict(zip(COLUMNS, (float(v) for v in x))), len(y), ((pred - y) / y).tolist(),
                float(y.sum()), float(pred.sum()))
+
+
+def predict_iterations(params: CostParams, iterations: list[IterationRecord], model: ModelSpec, hw: HardwareSpec,
+                       dtype_bytes: int) -> np.ndarray:
+    """Seconds the cost model predicts for each recorded iteration, from its modeled counts."""
+    f = _features(iterations, model, hw, dtype_bytes)
+    pred, _, _ = _predict(_to_x(params, model.num_layers), f)
+    return pred
 
 
 def run_model(config: dict[str, Any]) -> tuple[ModelSpec, int]:

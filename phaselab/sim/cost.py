@@ -3,9 +3,9 @@
     plan ─▶ counts (per GPU of a tensor-parallel group of tp devices)
               linear layers   F_lin = 2 T L macs / tp (+ LM head on sampled rows)   B_w  = weights / tp
               attention       F_att = 4 L heads d sum(keys) / tp                     B_kv = KV read + written / tp
-         ─▶ time = o_iter + L o_layer + n o_request + T o_token
+         ─▶ time = o_iter + L o_layer + n o_request + n_chunks o_chunk + T o_token
                  + max(F_lin / (peak x e(T)),  B_w  / (bandwidth x e_mem))       linear layers
-                 + max(F_att / (peak x e_att), B_kv / (bandwidth x e_mem))       attention
+                 + max(F_att / (peak x e_att), B_kv / (bandwidth x e_kv))        attention (e_kv: e_mem unless set)
                  + 2 L x all-reduce(T h b)   if tp > 1, all-reduce(x) = latency + 2 (tp-1)/tp x / link bandwidth
          with e(T) = e_max x T / (T + rows_half): GEMM efficiency grows with the rows of the batch
 
@@ -43,13 +43,19 @@ class CostParams:
     rows_half: float = field(default=32.0, metadata={"help": "rows (tokens) of a GEMM at which it reaches e_max / 2"})
     attention_efficiency: float = field(default=0.5, metadata={"help": "fraction of peak FLOP/s attention reaches"})
     memory_efficiency: float = field(default=0.8, metadata={
-        "help": "fraction of peak bandwidth a streaming read reaches"})
+        "help": "fraction of peak bandwidth a streaming read (the weights) reaches"})
+    kv_memory_efficiency: float | None = field(default=None, metadata={
+        "help": "fraction of peak bandwidth attention's K/V reads reach through the block tables "
+                "(None: memory_efficiency's)"})
     iteration_overhead_s: float = field(default=1e-3, metadata={
         "help": "fixed time per iteration (schedule, launch, sync)"})
     layer_overhead_s: float = field(default=5e-6, metadata={
         "help": "fixed time per layer per iteration (kernel launches)"})
     request_overhead_s: float = field(default=5e-6, metadata={
         "help": "time per scheduled request (metadata, sampling)"})
+    chunk_overhead_s: float = field(default=0.0, metadata={
+        "help": "time per prefill chunk on top of request_overhead_s (each chunk's own attention call in every "
+                "layer, where decodes share one batched call)"})
     token_overhead_s: float = field(default=0.0, metadata={"help": "time per computed token not in the roofline"})
     allreduce_latency_s: float = field(default=8e-6, metadata={"help": "fixed time of one tensor-parallel all-reduce"})
     sources: dict[str, str] = field(default_factory=dict, compare=False)
@@ -58,13 +64,25 @@ class CostParams:
         for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
+        if self.kv_memory_efficiency is not None and not self.kv_memory_efficiency > 0:
+            raise ConfigError(f"kv_memory_efficiency={self.kv_memory_efficiency} must be > 0 (or null)")
         for name in ("rows_half", "iteration_overhead_s", "layer_overhead_s", "request_overhead_s",
-                     "token_overhead_s", "allreduce_latency_s"):
+                     "chunk_overhead_s", "token_overhead_s", "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
+    @property
+    def kv_efficiency(self) -> float:
+        return self.kv_memory_efficiency if self.kv_memory_efficiency is not None else self.memory_efficiency
+
     def source(self, name: str) -> str:
-        return self.sources.get(name, "default: a typical value for GPU serving engines, not fitted")
+        if name in self.sources:
+            return self.sources[name]
+        if name == "kv_memory_efficiency" and self.kv_memory_efficiency is None:
+            return "default: memory_efficiency's value (K/V read as fast as weights stream), not fitted"
+        if name == "chunk_overhead_s" and self.chunk_overhead_s == 0:
+            return "default: 0, a chunk costs what any scheduled request does (request_overhead_s), not fitted"
+        return "default: a typical value for GPU serving engines, not fitted"
 
     def to_json(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
@@ -88,12 +106,13 @@ class CostParams:
 # CUDA graphs, FlashAttention efficiency); this CPU: placeholders until `calibrate` fits them.
 DEFAULT_PARAMS: dict[str, CostParams] = {
     "cpu": CostParams(compute_efficiency=1.0, rows_half=8.0, attention_efficiency=0.3, memory_efficiency=1.0,
-                      iteration_overhead_s=5e-3, layer_overhead_s=2e-4, request_overhead_s=2e-4,
-                      token_overhead_s=0.0, allreduce_latency_s=0.0,
+                      kv_memory_efficiency=1.0, iteration_overhead_s=5e-3, layer_overhead_s=2e-4,
+                      request_overhead_s=2e-4, chunk_overhead_s=0.0, token_overhead_s=0.0, allreduce_latency_s=0.0,
                       sources={k: "default: placeholder for this CPU; run `phaselab simulate calibrate RUN_DIR`"
                                for k in ("compute_efficiency", "rows_half", "attention_efficiency",
-                                         "memory_efficiency", "iteration_overhead_s", "layer_overhead_s",
-                                         "request_overhead_s", "token_overhead_s", "allreduce_latency_s")}),
+                                         "memory_efficiency", "kv_memory_efficiency", "iteration_overhead_s",
+                                         "layer_overhead_s", "request_overhead_s", "chunk_overhead_s",
+                                         "token_overhead_s", "allreduce_latency_s")}),
 }
 
 
@@ -121,6 +140,7 @@ class PlanCounts:
     """The plan reduced to what the cost depends on (cheap to build per iteration)."""
 
     num_entries: int
+    num_chunks: int  # entries computing more than one token (prefill chunks)
     num_tokens: int
     num_sampled: int
     kv_tokens_read: int  # cached tokens whose K/V are read
@@ -128,7 +148,7 @@ class PlanCounts:
 
 
 def plan_counts(plan: SchedulerOutput) -> PlanCounts:
-    num_tokens = num_sampled = kv_read = keys = 0
+    num_tokens = num_sampled = kv_read = keys = chunks = 0
     for e in plan.scheduled:
         n, s = len(e.token_ids), e.start_position
         num_tokens += n
@@ -138,9 +158,10 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
             kv_read += s + 1  # a decode attends through the cache, its own new K/V included
             keys += s + 1
         else:
+            chunks += 1
             kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
             keys += n * s + n * (n + 1) // 2
-    return PlanCounts(len(plan.scheduled), num_tokens, num_sampled, kv_read, keys)
+    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys)
 
 
 class RooflineCostModel:
@@ -168,6 +189,7 @@ class RooflineCostModel:
         self._attn_flops_per_key = 4 * m.num_layers * m.num_heads * m.head_dim
         self._peak = hardware.peak_flops
         self._bw = hardware.mem_bandwidth * p.memory_efficiency
+        self._bw_kv = hardware.mem_bandwidth * p.kv_efficiency
         self._fixed = p.iteration_overhead_s + m.num_layers * p.layer_overhead_s
         if tp > 1:
             if tp_link is None:
@@ -206,8 +228,9 @@ class RooflineCostModel:
         lin_memory = modeled.weight_bytes / tp / self._bw
         kv_bytes_gpu = self._kv_per_token_gpu * (c.kv_tokens_read + t)
         att_compute = modeled.attention_flops / tp / (self._peak * p.attention_efficiency)
-        att_memory = kv_bytes_gpu / self._bw
-        overhead = self._fixed + c.num_entries * p.request_overhead_s + t * p.token_overhead_s
+        att_memory = kv_bytes_gpu / self._bw_kv
+        overhead = self._fixed + c.num_entries * p.request_overhead_s + c.num_chunks * p.chunk_overhead_s \
+            + t * p.token_overhead_s
         allreduce = self._ar_fixed + self._ar_per_token * t if tp > 1 else 0.0
         linear, attention = max(lin_compute, lin_memory), max(att_compute, att_memory)
         total = overhead + linear + attention + allreduce
