@@ -12,6 +12,7 @@ import time
 import torch
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
+from phaselab.model import kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq
 from phaselab.model.config import ModelConfig
 from phaselab.model.llama import LlamaForCausalLM
@@ -39,7 +40,9 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim), dtype=dtype
         )
-        self._workspace: torch.Tensor | None = None  # decode gather buffer, grown on demand
+        self._workspace: torch.Tensor | None = None  # decode gather buffer (torch fallback), grown on demand
+        # decodes read K/V in place through the native kernel when it builds here (model/kernels)
+        self.native_decode = kernels.supports(dtype)
 
     def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
         if self._workspace is None or self._workspace.shape[1] < num_blocks:
@@ -104,11 +107,14 @@ class ModelRunner:
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
-            lens = torch.tensor(decode_lens)
+            lens = torch.tensor(decode_lens, dtype=torch.long)
             meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long)
             meta.decode_block_tables = tables
-            meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
-            meta.decode_workspace = self._decode_workspace(len(decode_rows) * max_blocks)
+            meta.decode_seq_lens = lens
+            meta.native_decode = self.native_decode
+            if not self.native_decode:
+                meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
+                meta.decode_workspace = self._decode_workspace(len(decode_rows) * max_blocks)
         return (
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),

@@ -7,9 +7,12 @@ live in the blocks of its block table, token p in block `table[p // block_size]`
 - multi-token chunks (prefill, or recompute after preemption) attend one request at a time:
   straight to their own fresh K/V when nothing is cached before them, else to the cached prefix
   read through the block table plus the chunk, with a causal mask offset by the prefix length;
-- single-token queries (decode) attend together in one batched call: their contexts are gathered
-  through padded block tables and masked to each request's length. Grouped-query attention is
-  computed by viewing the H query heads as (kv_heads, group) so K/V are never repeated.
+- single-token queries (decode) attend together in one batched call. With the native kernel
+  (`kernels/paged_decode.c`, the default wherever a C compiler exists) each request's K/V rows are
+  read in place through its block table, once per layer, for all query heads of their group.
+  The torch fallback gathers the contexts through padded block tables into a reused buffer and
+  masks them to each request's length; it views the H query heads as (kv_heads, group) so K/V
+  are never repeated.
 
 Metadata is passed explicitly (no global context); it is built once per step by the runner and
 shared by all layers.
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from phaselab.model import kernels
 
 
 @dataclass
@@ -37,6 +42,9 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     decode_rows: torch.Tensor | None = None  # (Bd,) rows of single-token queries in the flat batch
     decode_block_tables: torch.Tensor | None = None  # (Bd, max_blocks) int64, padded with block 0
+    decode_seq_lens: torch.Tensor | None = None  # (Bd,) int64: tokens each decode attends to
+    native_decode: bool = False  # run decodes through the native kernel (no mask, no workspace)
+    # torch fallback only:
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
     # preallocated (2, >= Bd * max_blocks, block_size, kvh, hd) buffer the decode contexts are
     # gathered into, reused by every layer: a fresh multi-MB tensor per layer costs page faults
@@ -87,8 +95,19 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=H != kvh)
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode_rows is not None:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        assert meta.decode_block_tables is not None
         Bd = meta.decode_rows.shape[0]
+        only_decodes = not meta.prefills  # then the decode rows are all rows, in order
+        if meta.native_decode:
+            assert meta.decode_seq_lens is not None
+            qd = (q if only_decodes else q[meta.decode_rows]).to(torch.float32).contiguous()
+            od = kernels.paged_decode(qd, kv_cache[0], kv_cache[1], meta.decode_block_tables,
+                                      meta.decode_seq_lens, scale).to(q.dtype)
+            if only_decodes:
+                return od
+            out[meta.decode_rows] = od
+            return out
+        assert meta.decode_mask is not None
         group = H // kvh
         qd = q[meta.decode_rows].view(Bd, kvh, group, hd)  # the group plays the query-length role
         flat = meta.decode_block_tables.view(-1)

@@ -1,0 +1,158 @@
+/* Paged decode attention on the CPU: single-token queries read K/V straight from the cache blocks.
+ *
+ * The torch path gathers every decode context into a contiguous buffer (a read and a write of the
+ * whole context per layer) before scaled_dot_product_attention reads it again. This kernel reads
+ * each cached K and V row exactly once, through the block table, and uses it for all the query
+ * heads of its group (GQA), so the context moves through memory once per layer.
+ *
+ * Layouts (all contiguous, row-major):
+ *   q        (B, H, D)                     float32
+ *   k, v     (num_blocks, BS, KVH, D)      float32, or bfloat16 as uint16 bit patterns
+ *   tables   (B, max_blocks)               int64, block ids of each request in token order
+ *   lens     (B,)                          int64, tokens to attend to (the new one included)
+ *   out      (B, H, D)                     float32
+ * Query head h attends with KV head h / (H / KVH), as Hugging Face's repeat_kv pairs them.
+ * Scores, softmax and the weighted sum are computed in float32 whatever the cache dtype.
+ *
+ * Work is split over (request, KV head) pairs with OpenMP; the process's OpenMP runtime (the one
+ * torch loaded: same SONAME) runs it, so the thread count and wait policy are torch's.
+ * Built by phaselab/model/kernels/__init__.py (-O3 -march=native -ffast-math -fopenmp).
+ * Returns 0 on success, 1 for unsupported shapes, 2 when scratch memory cannot be allocated.
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 512
+
+/* `n` cached values from element `offset` as float32: the cache itself, or `buf` filled from bf16 */
+static inline const float *row_f32(const void *cache, int bf16, int64_t offset, int64_t n, float *buf) {
+    if (!bf16) return (const float *)cache + offset;
+    const uint16_t *src = (const uint16_t *)cache + offset;
+    uint32_t *dst = (uint32_t *)buf;
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) dst[d] = ((uint32_t)src[d]) << 16;
+    return buf;
+}
+
+/* Query heads [h0*G, (h0+nh)*G) of one request against KV heads [h0, h0+nh): for each cached
+ * token, its K (then V) row of these nh KV heads is one contiguous read, used by all nh*G query
+ * heads. With nh = KVH a request's whole context streams through memory exactly once. */
+static inline __attribute__((always_inline)) void attend_one(
+    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t h0,
+    int64_t nh, int64_t G, int64_t KVH, int64_t D, int64_t BS, float scale, float *scores, float *acc,
+    float *qg, float *rowbuf, float *out) {
+    const int64_t Q = nh * G; /* query heads handled here */
+    for (int64_t j = 0; j < Q * D; j++) qg[j] = q[j] * scale;
+    /* scores[j][t] = q_j . k_t(head of j) */
+    for (int64_t t0 = 0; t0 < len; t0 += BS) { /* block by block: no division per token */
+        const int64_t base = table[t0 / BS] * BS, n = len - t0 < BS ? len - t0 : BS;
+        for (int64_t i = 0; i < n; i++) {
+            const float *kr = row_f32(k, bf16, ((base + i) * KVH + h0) * D, nh * D, rowbuf);
+            for (int64_t j = 0; j < Q; j++) {
+                const float *qq = qg + j * D, *kk = kr + (j / G) * D;
+                float s = 0.f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t d = 0; d < D; d++) s += qq[d] * kk[d];
+                scores[j * len + t0 + i] = s;
+            }
+        }
+    }
+    for (int64_t j = 0; j < Q; j++) { /* softmax of each query head */
+        float *sj = scores + j * len;
+        float m = -FLT_MAX;
+        for (int64_t t = 0; t < len; t++) m = sj[t] > m ? sj[t] : m;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; t++) {
+            sj[t] = expf(sj[t] - m);
+            sum += sj[t];
+        }
+        const float inv = 1.f / sum;
+#pragma omp simd
+        for (int64_t t = 0; t < len; t++) sj[t] *= inv;
+    }
+    /* out_j = sum_t p_j[t] v_t(head of j) */
+    memset(acc, 0, sizeof(float) * (size_t)(Q * D));
+    for (int64_t t0 = 0; t0 < len; t0 += BS) {
+        const int64_t base = table[t0 / BS] * BS, n = len - t0 < BS ? len - t0 : BS;
+        for (int64_t i = 0; i < n; i++) {
+            const float *vr = row_f32(v, bf16, ((base + i) * KVH + h0) * D, nh * D, rowbuf);
+            for (int64_t j = 0; j < Q; j++) {
+                const float p = scores[j * len + t0 + i];
+                const float *vv = vr + (j / G) * D;
+                float *a = acc + j * D;
+#pragma omp simd
+                for (int64_t d = 0; d < D; d++) a[d] += p * vv[d];
+            }
+        }
+    }
+    memcpy(out, acc, sizeof(float) * (size_t)(Q * D));
+}
+
+#define ATTEND_ARGS                                                                                         \
+    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t h0, \
+        int64_t nh, int64_t G, int64_t KVH, int64_t D, int64_t BS, float scale, float *scores, float *acc,   \
+        float *qg, float *rowbuf, float *out
+typedef void (*attend_fn)(ATTEND_ARGS);
+
+/* the common head sizes get their own copy, with D a constant the compiler unrolls */
+static void attend_d64(ATTEND_ARGS) {
+    (void)D;
+    attend_one(q, k, v, bf16, table, len, h0, nh, G, KVH, 64, BS, scale, scores, acc, qg, rowbuf, out);
+}
+static void attend_d128(ATTEND_ARGS) {
+    (void)D;
+    attend_one(q, k, v, bf16, table, len, h0, nh, G, KVH, 128, BS, scale, scores, acc, qg, rowbuf, out);
+}
+static void attend_any(ATTEND_ARGS) {
+    attend_one(q, k, v, bf16, table, len, h0, nh, G, KVH, D, BS, scale, scores, acc, qg, rowbuf, out);
+}
+
+int paged_decode(const float *q, const void *k, const void *v, int bf16, const int64_t *tables,
+                 int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
+                 int64_t D, int64_t BS, float scale) {
+    if (KVH <= 0 || H % KVH != 0 || D <= 0 || D > MAX_HEAD_DIM || BS <= 0) return 1;
+    const int64_t G = H / KVH;
+    const attend_fn attend = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) {
+        if (lens[b] <= 0 || lens[b] > max_blocks * BS) return 1;
+        if (lens[b] > max_len) max_len = lens[b];
+    }
+    /* one work item per request (all KV heads: one pass over its context) when there are enough
+     * requests to keep every thread busy, else one per (request, KV head) */
+    const int64_t nh = B >= 2 * (int64_t)omp_get_max_threads() ? KVH : 1;
+    const int64_t per_request = KVH / nh;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(nh * G * max_len));
+        float *acc = malloc(sizeof(float) * (size_t)(nh * G * D));
+        float *qg = malloc(sizeof(float) * (size_t)(nh * G * D));
+        float *rowbuf = malloc(sizeof(float) * (size_t)(nh * D));
+        const int ok = scores && acc && qg && rowbuf;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* every thread reaches the worksharing loop; one without scratch skips its items */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < B * per_request; item++) {
+            if (!ok) continue;
+            const int64_t b = item / per_request, h0 = (item % per_request) * nh;
+            attend(q + (b * H + h0 * G) * D, k, v, bf16, tables + b * max_blocks, lens[b], h0, nh, G, KVH, D,
+                   BS, scale, scores, acc, qg, rowbuf, out + (b * H + h0 * G) * D);
+        }
+        free(scores);
+        free(acc);
+        free(qg);
+        free(rowbuf);
+    }
+    return failed ? 2 : 0;
+}
+
+int phaselab_kernel_abi(void) { return 1; }
