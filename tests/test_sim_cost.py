@@ -151,20 +151,26 @@ def _synthetic_run(truth: CostParams, n: int = 300, seed: int = 2):
     return spec, hw, records, measured
 
 
-def test_calibration_finds_kv_bound_decodes_from_a_compute_bound_start():
-    """This CPU's shape: GEMMs compute-bound, decode attention bound by its K/V reads (own
-    efficiency, not the weights'), a cost per prefill chunk. The default start assigns attention to
-    its compute branch everywhere; the fit must still find the K/V term and the chunk cost, and
-    the simulator must predict with the fitted parameters what the fit did (terms that bound no
-    iteration are set so that they still bind none)."""
+@pytest.mark.parametrize("decode_attention", [None, 0.15])
+def test_calibration_finds_the_decodes_attention_from_a_compute_bound_start(decode_attention):
+    """This CPU's shape: GEMMs compute-bound, a cost per prefill chunk, and the decodes' attention
+    (its own kernel) bound by its K/V reads at their own efficiency (None) or by its compute at
+    15% of peak. The default start assigns attention to its compute branch everywhere; the fit
+    must still find the decodes' term and the chunk cost, and the simulator must predict with the
+    fitted parameters what the fit did (terms that bound no iteration are set so that they still
+    bind none)."""
     truth = CostParams(compute_efficiency=1.3, rows_half=0.0, attention_efficiency=2.0, memory_efficiency=20.0,
-                       kv_memory_efficiency=0.6, iteration_overhead_s=0.045, layer_overhead_s=0.0,
-                       request_overhead_s=1e-3, chunk_overhead_s=0.02, token_overhead_s=0.0)
+                       decode_attention_efficiency=decode_attention, kv_memory_efficiency=0.6,
+                       iteration_overhead_s=0.045, layer_overhead_s=0.0, request_overhead_s=1e-3,
+                       chunk_overhead_s=0.02, token_overhead_s=0.0)
     spec, hw, records, measured = _synthetic_run(truth)
     fit = fit_params(records, measured, spec, hw, 2, "synthetic")
     s = fit.summary()
     assert s["relative_error_abs_p99"] < 0.01
-    assert fit.params.kv_memory_efficiency == pytest.approx(0.6, rel=0.05)
+    if decode_attention is None:  # decodes bound by their K/V reads
+        assert fit.params.kv_memory_efficiency == pytest.approx(0.6, rel=0.05)
+    else:
+        assert fit.params.decode_attention_efficiency == pytest.approx(0.15, rel=0.05)
     assert fit.params.chunk_overhead_s == pytest.approx(0.02, rel=0.05)
     assert fit.params.request_overhead_s == pytest.approx(1e-3, rel=0.1)
     assert "bound no iteration" in fit.params.source("memory_efficiency")

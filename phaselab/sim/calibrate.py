@@ -3,12 +3,13 @@
     iterations.jsonl: per iteration the plan's MODELED counts (FLOPs, weight / KV bytes, tokens,
                       requests, prefill chunks) and its MEASURED time
     model (cost.py):  t = o_iter + o_req n + o_chunk n_chunks
-                        + max(F_lin / P x (a + c / T), W / B x m)      a = 1/e_max, c = rows_half/e_max
-                        + max(F_att / P x a_att, KV / B x m_kv)        a_att = 1/e_att, m = 1/e_mem, m_kv = 1/e_kv
-                      (L x o_layer is constant within one model: it is folded into o_iter)
+                        + max(F_lin / P x (a + c / T), W / B x m)          a = 1/e_max, c = rows_half/e_max
+                        + max(F_att,p / P x a_att, KV_p / B x m_kv)        chunks' attention: a_att = 1/e_att
+                        + max(F_att,d / P x a_att_d, KV_d / B x m_kv)      decodes': a_att_d = 1/e_att_d
+                      m = 1/e_mem, m_kv = 1/e_kv; L x o_layer is constant within one model: folded into o_iter
 
 With each max() resolved to one branch the model is linear in (o_iter, o_req, o_chunk, a, c, m,
-a_att, m_kv) >= 0, so the fit alternates: assign each iteration's branches with the current
+a_att, a_att_d, m_kv) >= 0, so the fit alternates: assign each iteration's branches with the current
 parameters, solve the non-negative least squares of the error weighted by 1/sqrt(measured time)
 (between the relative error, which lets short decode steps count as much as long prefills but
 biases the total low, and the absolute error, which long prefills dominate), reassign, until the
@@ -42,8 +43,10 @@ from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.catalog import HardwareSpec, ModelSpec, get_hardware
 from phaselab.sim.cost import CostParams, default_params
 
-COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "m_kv")
-EFFICIENCY_COLUMNS = ("a_lin", "m_mem", "a_att", "m_kv")  # 1 / an efficiency: pinned when the fit leaves it at 0
+COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "a_att_d", "m_kv")
+EFFICIENCY_COLUMNS = ("a_lin", "m_mem", "a_att", "a_att_d", "m_kv")  # 1 / an efficiency
+PARAM_OF = {"a_lin": "compute_efficiency", "m_mem": "memory_efficiency", "a_att": "attention_efficiency",
+            "a_att_d": "decode_attention_efficiency", "m_kv": "kv_memory_efficiency"}
 
 
 @dataclass
@@ -117,87 +120,111 @@ def iteration_cycles(iterations: list[IterationRecord]) -> list[int]:
 
 def _features(iterations: list[IterationRecord], model: ModelSpec, hw: HardwareSpec, dtype_bytes: int
               ) -> dict[str, np.ndarray]:
-    """Per iteration: the raw quantities each column of the linear model multiplies."""
+    """Per iteration: the raw quantities each column of the linear model multiplies (the attention
+    of prefill chunks and of decodes apart, from the recorded chunks: they run different kernels)."""
     kv_per_token = model.kv_bytes_per_token(dtype_bytes)
-    f: dict[str, list[float]] = {k: [] for k in ("n", "nc", "T", "lin_c", "lin_m", "att_c", "att_m")}
+    flops_per_key = 4 * model.num_layers * model.num_heads * model.head_dim
+    keys = ("n", "nc", "T", "lin_c", "lin_m", "att_c", "att_m", "att_c_d", "att_m_d")
+    f: dict[str, list[float]] = {k: [] for k in keys}
     for rec in iterations:
         m = rec.modeled
-        t = rec.num_prefill_tokens + rec.num_decode_tokens
         f["n"].append(len(rec.chunks))
-        f["nc"].append(sum(1 for c in rec.chunks if c.num_tokens > 1))
-        f["T"].append(t)
+        f["T"].append(rec.num_prefill_tokens + rec.num_decode_tokens)
         f["lin_c"].append(m.matmul_flops / hw.peak_flops)
         f["lin_m"].append(m.weight_bytes / hw.mem_bandwidth)
-        f["att_c"].append(m.attention_flops / hw.peak_flops)
-        kv = m.kv_read_bytes + m.kv_write_bytes
-        if not kv:  # an old record without modeled counts: recompute the KV bytes from the chunks
-            kv = kv_per_token * sum(c.context_len for c in rec.chunks)
-        f["att_m"].append(kv / hw.mem_bandwidth)
+        nc = keys_p = keys_d = kv_p = kv_d = 0
+        for c in rec.chunks:
+            n, ctx = c.num_tokens, c.context_len
+            if n == 1:  # a decode reads its context (its own new K/V included) and writes one token
+                keys_d += ctx
+                kv_d += ctx + 1
+            else:  # a chunk attends causally to the prefix and itself, reads the prefix, writes n tokens
+                nc += 1
+                s = ctx - n
+                keys_p += n * s + n * (n + 1) // 2
+                kv_p += s + n
+        f["nc"].append(nc)
+        f["att_c"].append(flops_per_key * keys_p / hw.peak_flops)
+        f["att_m"].append(kv_per_token * kv_p / hw.mem_bandwidth)
+        f["att_c_d"].append(flops_per_key * keys_d / hw.peak_flops)
+        f["att_m_d"].append(kv_per_token * kv_d / hw.mem_bandwidth)
     return {k: np.asarray(v, dtype=float) for k, v in f.items()}
 
 
-def _predict(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    o_iter, o_req, o_chunk, a, c, m, a_att, m_kv = x
-    lin_c = f["lin_c"] * (a + c / np.maximum(f["T"], 1))
-    lin_m = f["lin_m"] * m
-    att_c = f["att_c"] * a_att
-    att_m = f["att_m"] * m_kv
-    pred = o_iter + o_req * f["n"] + o_chunk * f["nc"] + np.maximum(lin_c, lin_m) + np.maximum(att_c, att_m)
-    return pred, lin_c >= lin_m, att_c >= att_m
+Branches = tuple[np.ndarray, np.ndarray, np.ndarray]  # per iteration: linear, chunk attention, decode attention
+#                                                       compute-bound (True) or memory-bound
 
 
-def _design(f: dict[str, np.ndarray], lin_compute: np.ndarray, att_compute: np.ndarray) -> np.ndarray:
+def _parts(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
+    o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv = x
+    return (f["lin_c"] * (a + c / np.maximum(f["T"], 1)), f["lin_m"] * m, f["att_c"] * a_att, f["att_m"] * m_kv,
+            f["att_c_d"] * a_att_d, f["att_m_d"] * m_kv)
+
+
+def _predict(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, Branches]:
+    lin_c, lin_m, att_c, att_m, dec_c, dec_m = _parts(x, f)
+    pred = x[0] + x[1] * f["n"] + x[2] * f["nc"] + np.maximum(lin_c, lin_m) + np.maximum(att_c, att_m) \
+        + np.maximum(dec_c, dec_m)
+    return pred, (lin_c >= lin_m, att_c >= att_m, dec_c >= dec_m)
+
+
+def _design(f: dict[str, np.ndarray], b: Branches) -> np.ndarray:
+    lin, att, dec = b
     T = np.maximum(f["T"], 1)
     return np.column_stack([
         np.ones_like(T), f["n"], f["nc"],
-        np.where(lin_compute, f["lin_c"], 0.0), np.where(lin_compute, f["lin_c"] / T, 0.0),
-        np.where(lin_compute, 0.0, f["lin_m"]),
-        np.where(att_compute, f["att_c"], 0.0), np.where(att_compute, 0.0, f["att_m"]),
+        np.where(lin, f["lin_c"], 0.0), np.where(lin, f["lin_c"] / T, 0.0), np.where(lin, 0.0, f["lin_m"]),
+        np.where(att, f["att_c"], 0.0), np.where(dec, f["att_c_d"], 0.0),
+        np.where(att, 0.0, f["att_m"]) + np.where(dec, 0.0, f["att_m_d"]),
     ])
 
 
 def _to_x(p: CostParams, num_layers: int) -> np.ndarray:
     return np.array([p.iteration_overhead_s + num_layers * p.layer_overhead_s, p.request_overhead_s,
                      p.chunk_overhead_s, 1 / p.compute_efficiency, p.rows_half / p.compute_efficiency,
-                     1 / p.memory_efficiency, 1 / p.attention_efficiency, 1 / p.kv_efficiency])
+                     1 / p.memory_efficiency, 1 / p.attention_efficiency, 1 / p.decode_attention,
+                     1 / p.kv_efficiency])
 
 
 def _unbind(x: np.ndarray, f: dict[str, np.ndarray], fallback: np.ndarray, pinned: dict[str, float]
             ) -> tuple[np.ndarray, set[str]]:
+    """Coefficients the fit left at 0 (their branch bound no iteration) set to the largest value at
+    which their branch still binds none (module docstring)."""
     x = x.copy()
     i = {name: COLUMNS.index(name) for name in COLUMNS}
-    T = np.maximum(f["T"], 1)
-    lin_c = f["lin_c"] * (x[i["a_lin"]] + x[i["c_lin"]] / T)
-    other = {"a_lin": (f["lin_m"] * x[i["m_mem"]], f["lin_c"]), "m_mem": (lin_c, f["lin_m"]),
-             "a_att": (f["att_m"] * x[i["m_kv"]], f["att_c"]), "m_kv": (f["att_c"] * x[i["a_att"]], f["att_m"])}
+    lin_c, lin_m, att_c, att_m, dec_c, dec_m = _parts(x, f)
+    # (the other branch, the feature the coefficient multiplies) of each max() the coefficient is in
+    pairs = {"a_lin": [(lin_m, f["lin_c"])], "m_mem": [(lin_c, f["lin_m"])],
+             "a_att": [(att_m, f["att_c"])], "a_att_d": [(dec_m, f["att_c_d"])],
+             "m_kv": [(att_c, f["att_m"]), (dec_c, f["att_m_d"])]}
     unbound = set()
     for name in EFFICIENCY_COLUMNS:
         if name in pinned or x[i[name]] > 0:
             continue
         unbound.add(name)
-        bound, feature = other[name]
-        ok = feature > 0
-        x[i[name]] = float(np.min(bound[ok] / feature[ok])) if ok.any() and (bound[ok] > 0).all() else fallback[i[name]]
+        limits = [other[feature > 0] / feature[feature > 0] for other, feature in pairs[name]]
+        limit = np.concatenate(limits) if limits else np.zeros(0)
+        x[i[name]] = float(limit.min()) if limit.size and (limit > 0).all() else fallback[i[name]]
     return x, unbound
 
 
 def _alternate(f: dict[str, np.ndarray], y: np.ndarray, scale: np.ndarray, pinned: dict[str, float],
-               starts: list[tuple[np.ndarray, np.ndarray]], max_rounds: int) -> tuple[float, np.ndarray]:
+               starts: list[Branches], max_rounds: int) -> tuple[float, np.ndarray]:
     """Best (weighted SSE, coefficients) over alternations from each start (branch assignments)."""
     free = [i for i, name in enumerate(COLUMNS) if name not in pinned]
     fixed_x = np.array([pinned.get(name, 0.0) for name in COLUMNS])
     best: tuple[float, np.ndarray] | None = None
-    for lin_compute, att_compute in starts:
-        seen = set()
+    seen: set[bytes] = set()  # assignments already solved, from any start
+    for branches in starts:
         for _ in range(max_rounds):
-            key = (lin_compute.tobytes(), att_compute.tobytes())
+            key = b"".join(b.tobytes() for b in branches)
             if key in seen:
                 break
             seen.add(key)
-            a = _design(f, lin_compute, att_compute) / scale[:, None]
+            a = _design(f, branches) / scale[:, None]
             x = fixed_x.copy()
             x[free] = nnls(a[:, free], y / scale - a @ fixed_x)
-            pred, lin_compute, att_compute = _predict(x, f)
+            pred, branches = _predict(x, f)
             sse = float((((pred - y) / scale) ** 2).sum())  # the prediction's own branches, not the design's
             if best is None or sse < best[0]:
                 best = (sse, x)
@@ -225,21 +252,38 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
     x0 = _to_x(start, model.num_layers)
     for name, value in pinned.items():
         x0[COLUMNS.index(name)] = value
-    _, lin0, att0 = _predict(x0, f)
+    _, b0 = _predict(x0, f)
     # branch assignments to start from: the starting parameters', and a grid of the ratio between
     # each max()'s two branches (each start splits the iterations at another ratio)
     ratios = [np.inf, *(10.0 ** np.arange(-2.0, 2.01, 0.5)), 0.0]
-    starts = [(lin0, att0)] + [(f["lin_c"] * r1 >= f["lin_m"], f["att_c"] * r2 >= f["att_m"])
-                               for r1 in ratios for r2 in ratios]
+    with np.errstate(invalid="ignore"):  # inf x 0: that branch is empty there either way
+        starts = [b0] + [(f["lin_c"] * r1 >= f["lin_m"], f["att_c"] * r2 >= f["att_m"],
+                          f["att_c_d"] * r3 >= f["att_m_d"]) for r1 in ratios for r2 in ratios for r3 in ratios]
     _, x = _alternate(f, y, scale, pinned, starts, max_rounds)
     # an efficiency no iteration was bound by (coefficient 0) is set to the largest coefficient (the
     # lowest efficiency) at which its branch still binds no iteration of the run: the simulator then
-    # predicts every iteration of the run exactly as the fit did, and the term is an upper bound
-    x, unbound = _unbind(x, f, x0, pinned)
-    o_iter, o_req, o_chunk, a, c, m, a_att, m_kv = (float(v) for v in x)
+    # predicts every iteration of the run exactly as the fit did, and the term is an upper bound.
+    # Where both branches of a max() were left at 0 (the fit gave that term no time at all), there is
+    # no such value: the term keeps its starting efficiencies, pinned, and the fit is repeated.
+    unbound: set[str] = set()
+    for _ in range(len(EFFICIENCY_COLUMNS)):
+        x_unbound, unbound = _unbind(x, f, x0, pinned)
+        kept = {name: float(x0[COLUMNS.index(name)]) for name in unbound
+                if x_unbound[COLUMNS.index(name)] == x0[COLUMNS.index(name)]}
+        if not kept:
+            x = x_unbound
+            break
+        pinned |= kept
+        _, x = _alternate(f, y, scale, pinned, [_predict(np.where([c in kept for c in COLUMNS], x0, x), f)[1]]
+                          + starts, max_rounds)
+    kept_at_start = {name for name in pinned if name not in (fixed or {})}
+    o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv = (float(v) for v in x)
     note = f"fitted on run {label} ({len(y)} iterations)"
 
     def eff(column: str, inv: float) -> tuple[float, str]:
+        if column in kept_at_start:
+            return 1 / inv, (f"fitted on run {label}: the fit gave this term no time; kept at the starting "
+                             f"{1 / inv:g} ({start.source(PARAM_OF[column])})")
         if column in unbound:
             return 1 / inv, (f"fitted on run {label}: bound no iteration; set to the lowest efficiency at which it "
                              "still binds none (its time there is an upper bound)")
@@ -250,14 +294,17 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
     e_max, s_e = eff("a_lin", a)
     e_mem, s_m = eff("m_mem", m)
     e_att, s_a = eff("a_att", a_att)
+    e_att_d, s_ad = eff("a_att_d", a_att_d)
     e_kv, s_kv = eff("m_kv", m_kv)
     rows_half, s_r = c * e_max, (note if "a_lin" not in unbound else f"fitted on run {label}: 0, GEMM compute "
                                  "bound no iteration")
     params = CostParams(
-        compute_efficiency=e_max, rows_half=rows_half, attention_efficiency=e_att, memory_efficiency=e_mem,
+        compute_efficiency=e_max, rows_half=rows_half, attention_efficiency=e_att,
+        decode_attention_efficiency=e_att_d, memory_efficiency=e_mem,
         kv_memory_efficiency=e_kv, iteration_overhead_s=o_iter, layer_overhead_s=0.0, request_overhead_s=o_req,
         chunk_overhead_s=o_chunk, token_overhead_s=0.0, allreduce_latency_s=start.allreduce_latency_s,
         sources={"compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
+                 "decode_attention_efficiency": s_ad,
                  "kv_memory_efficiency": s_kv,
                  "iteration_overhead_s": note + "; per-layer overheads folded in",
                  "layer_overhead_s": f"folded into iteration_overhead_s (one model in run {label})",
@@ -265,7 +312,7 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
                  "token_overhead_s": "not fitted: per-token time is the roofline's (it would absorb GEMM compute)",
                  "allreduce_latency_s": start.source("allreduce_latency_s")})
     # the error of what the simulator will predict with these parameters
-    pred, _, _ = _predict(_to_x(params, model.num_layers), f)
+    pred, _ = _predict(_to_x(params, model.num_layers), f)
     return Fit(params, dict(zip(COLUMNS, (float(v) for v in x))), len(y), ((pred - y) / y).tolist(),
                float(y.sum()), float(pred.sum()))
 
@@ -274,7 +321,7 @@ def predict_iterations(params: CostParams, iterations: list[IterationRecord], mo
                        dtype_bytes: int) -> np.ndarray:
     """Seconds the cost model predicts for each recorded iteration, from its modeled counts."""
     f = _features(iterations, model, hw, dtype_bytes)
-    pred, _, _ = _predict(_to_x(params, model.num_layers), f)
+    pred, _ = _predict(_to_x(params, model.num_layers), f)
     return pred
 
 

@@ -5,7 +5,9 @@
               attention       F_att = 4 L heads d sum(keys) / tp                     B_kv = KV read + written / tp
          ─▶ time = o_iter + L o_layer + n o_request + n_chunks o_chunk + T o_token
                  + max(F_lin / (peak x e(T)),  B_w  / (bandwidth x e_mem))       linear layers
-                 + max(F_att / (peak x e_att), B_kv / (bandwidth x e_kv))        attention (e_kv: e_mem unless set)
+                 + max(F_att,p / (peak x e_att),   B_kv,p / (bandwidth x e_kv))  attention of prefill chunks
+                 + max(F_att,d / (peak x e_att_d), B_kv,d / (bandwidth x e_kv))  attention of decodes
+                                                          (e_att_d: e_att unless set; e_kv: e_mem unless set)
                  + 2 L x all-reduce(T h b)   if tp > 1, all-reduce(x) = latency + 2 (tp-1)/tp x / link bandwidth
          with e(T) = e_max x T / (T + rows_half): GEMM efficiency grows with the rows of the batch
 
@@ -41,7 +43,11 @@ class CostParams:
     compute_efficiency: float = field(default=0.7, metadata={
         "help": "e_max: fraction of peak FLOP/s a large GEMM reaches"})
     rows_half: float = field(default=32.0, metadata={"help": "rows (tokens) of a GEMM at which it reaches e_max / 2"})
-    attention_efficiency: float = field(default=0.5, metadata={"help": "fraction of peak FLOP/s attention reaches"})
+    attention_efficiency: float = field(default=0.5, metadata={
+        "help": "fraction of peak FLOP/s the attention of prefill chunks reaches"})
+    decode_attention_efficiency: float | None = field(default=None, metadata={
+        "help": "fraction of peak FLOP/s the decodes' attention reaches: another kernel, one query per request "
+                "(None: attention_efficiency's)"})
     memory_efficiency: float = field(default=0.8, metadata={
         "help": "fraction of peak bandwidth a streaming read (the weights) reaches"})
     kv_memory_efficiency: float | None = field(default=None, metadata={
@@ -64,12 +70,19 @@ class CostParams:
         for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        if self.kv_memory_efficiency is not None and not self.kv_memory_efficiency > 0:
-            raise ConfigError(f"kv_memory_efficiency={self.kv_memory_efficiency} must be > 0 (or null)")
+        for name in ("kv_memory_efficiency", "decode_attention_efficiency"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{name}={value} must be > 0 (or null)")
         for name in ("rows_half", "iteration_overhead_s", "layer_overhead_s", "request_overhead_s",
                      "chunk_overhead_s", "token_overhead_s", "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
+
+    @property
+    def decode_attention(self) -> float:
+        return self.decode_attention_efficiency if self.decode_attention_efficiency is not None else \
+            self.attention_efficiency
 
     @property
     def kv_efficiency(self) -> float:
@@ -78,6 +91,8 @@ class CostParams:
     def source(self, name: str) -> str:
         if name in self.sources:
             return self.sources[name]
+        if name == "decode_attention_efficiency" and self.decode_attention_efficiency is None:
+            return "default: attention_efficiency's value (one attention kernel for chunks and decodes), not fitted"
         if name == "kv_memory_efficiency" and self.kv_memory_efficiency is None:
             return "default: memory_efficiency's value (K/V read as fast as weights stream), not fitted"
         if name == "chunk_overhead_s" and self.chunk_overhead_s == 0:
@@ -105,12 +120,13 @@ class CostParams:
 # Defaults per kind of device. GPUs: one set of typical figures (launch overheads of an engine with
 # CUDA graphs, FlashAttention efficiency); this CPU: placeholders until `calibrate` fits them.
 DEFAULT_PARAMS: dict[str, CostParams] = {
-    "cpu": CostParams(compute_efficiency=1.0, rows_half=8.0, attention_efficiency=0.3, memory_efficiency=1.0,
+    "cpu": CostParams(compute_efficiency=1.0, rows_half=8.0, attention_efficiency=0.3,
+                      decode_attention_efficiency=0.3, memory_efficiency=1.0,
                       kv_memory_efficiency=1.0, iteration_overhead_s=5e-3, layer_overhead_s=2e-4,
                       request_overhead_s=2e-4, chunk_overhead_s=0.0, token_overhead_s=0.0, allreduce_latency_s=0.0,
                       sources={k: "default: placeholder for this CPU; run `phaselab simulate calibrate RUN_DIR`"
                                for k in ("compute_efficiency", "rows_half", "attention_efficiency",
-                                         "memory_efficiency", "kv_memory_efficiency", "iteration_overhead_s",
+                                         "decode_attention_efficiency", "memory_efficiency", "kv_memory_efficiency", "iteration_overhead_s",
                                          "layer_overhead_s", "request_overhead_s", "chunk_overhead_s",
                                          "token_overhead_s", "allreduce_latency_s")}),
 }
@@ -145,10 +161,12 @@ class PlanCounts:
     num_sampled: int
     kv_tokens_read: int  # cached tokens whose K/V are read
     keys_attended: int  # sum over queries of the keys each attends (causal)
+    num_decodes: int = 0  # single-token entries
+    decode_keys: int = 0  # of keys_attended and kv_tokens_read: the decodes' (each its context)
 
 
 def plan_counts(plan: SchedulerOutput) -> PlanCounts:
-    num_tokens = num_sampled = kv_read = keys = chunks = 0
+    num_tokens = num_sampled = kv_read = keys = chunks = decodes = decode_keys = 0
     for e in plan.scheduled:
         n, s = len(e.token_ids), e.start_position
         num_tokens += n
@@ -157,11 +175,13 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
         if n == 1:
             kv_read += s + 1  # a decode attends through the cache, its own new K/V included
             keys += s + 1
+            decodes += 1
+            decode_keys += s + 1
         else:
             chunks += 1
             kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
             keys += n * s + n * (n + 1) // 2
-    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys)
+    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys)
 
 
 class RooflineCostModel:
@@ -226,18 +246,23 @@ class RooflineCostModel:
         eff = p.compute_efficiency * t / (t + p.rows_half)
         lin_compute = modeled.matmul_flops / tp / (self._peak * eff)
         lin_memory = modeled.weight_bytes / tp / self._bw
-        kv_bytes_gpu = self._kv_per_token_gpu * (c.kv_tokens_read + t)
-        att_compute = modeled.attention_flops / tp / (self._peak * p.attention_efficiency)
-        att_memory = kv_bytes_gpu / self._bw_kv
+        # prefill chunks and decodes run different attention kernels, one after the other
+        dk, nd = c.decode_keys, c.num_decodes
+        att_c_p = self._attn_flops_per_key * (c.keys_attended - dk) / tp / (self._peak * p.attention_efficiency)
+        att_m_p = self._kv_per_token_gpu * (c.kv_tokens_read - dk + t - nd) / self._bw_kv
+        att_c_d = self._attn_flops_per_key * dk / tp / (self._peak * p.decode_attention)
+        att_m_d = self._kv_per_token_gpu * (dk + nd) / self._bw_kv
+        att_p, att_d = max(att_c_p, att_m_p), max(att_c_d, att_m_d)
         overhead = self._fixed + c.num_entries * p.request_overhead_s + c.num_chunks * p.chunk_overhead_s \
             + t * p.token_overhead_s
         allreduce = self._ar_fixed + self._ar_per_token * t if tp > 1 else 0.0
-        linear, attention = max(lin_compute, lin_memory), max(att_compute, att_memory)
+        linear, attention = max(lin_compute, lin_memory), att_p + att_d
+        att_bound = (att_c_p >= att_m_p) if att_p >= att_d else (att_c_d >= att_m_d)  # of the larger part
         total = overhead + linear + attention + allreduce
         return IterationCost(
             duration_ns=max(1, round(total * NS)), overhead_s=overhead, linear_s=linear, attention_s=attention,
             allreduce_s=allreduce, linear_bound="compute" if lin_compute >= lin_memory else "memory",
-            attention_bound="compute" if att_compute >= att_memory else "memory", modeled=modeled)
+            attention_bound="compute" if att_bound else "memory", modeled=modeled)
 
     def describe(self) -> dict[str, Any]:
         return {"model": self.model.name, "hardware": self.hardware.name, "tp": self.tp,
