@@ -3,12 +3,15 @@
     python benchmarks/sim_fidelity.py [--num-prompts 40] [--out benchmarks/results/sim_fidelity.json]
 
 1. capacity: all requests at once on the real engine (bundled model, bf16, chunked); capacity =
-   requests / makespan
-2. calibration run: Poisson arrivals at 70% of capacity (seed 1) -> `phaselab simulate calibrate`
-3. two test runs with other seeds at about 50% and 85% of capacity; each is simulated with the
-   calibrated parameters (same scheduler config, KV blocks, request lengths and arrival times) and
-   p50 / p99 TTFT and time between tokens (ITL, every gap) are compared with the real run's
-   (issue 10's target: p50 within 10%, p99 within 20%)
+   requests / makespan. As the burst drains, its batches sweep from max_num_seqs down to 1.
+2. three runs with Poisson arrivals at 70% (seed 1, the run named "calibration"), 50% (seed 2) and
+   85% (seed 3) of capacity
+3. `phaselab simulate calibrate` on one run (--calibrate-on; default: the burst run, which covers
+   the batch sizes the loaded runs reach: fitted on the 70% run, whose batches stay small, the
+   per-decode cost was extrapolated to the 85% run's larger batches and came out 18% low on its
+   mixed iterations); every run is simulated with the fitted parameters (same scheduler config, KV
+   blocks, request lengths and arrival times) and p50 / p99 TTFT and time between tokens (ITL,
+   every gap) are compared with the real run's (issue 10's target: p50 within 10%, p99 within 20%)
 4. the same with every predicted time scaled by the run's median measured/predicted iteration
    time ("drift-corrected"): information taken from the predicted run, reported apart, to separate
    the shared machine's speed drift between runs from the model's own error
@@ -16,7 +19,11 @@
 The real engine is driven offline in real time: a request is added, with arrived_ns = its
 scheduled arrival, at the first iteration boundary after its arrival time, as a server's engine
 thread would. Outputs ignore EOS, so each request generates exactly its drawn length in both. The
-machine is shared; the closing note reports the load average during each run.
+machine is shared: each run records the load average (sampled every 5 s while it runs), and
+`--quiet-load L` waits (up to --quiet-wait seconds) for the 1-minute load average to fall below L
+before each run; a speed probe (one 192-token prefill alone, median of 3) is timed just before
+each run, so a change of the machine's speed between runs shows. The report also gives, per run and per kind of iteration (prefill only, mixed,
+decode only), the measured / predicted time: what the fitted cost model misses, and where.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
+import threading
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -76,6 +85,93 @@ def real_run(engine, reqs, text_ids: list[int], path: str, seed: int) -> float:
     return makespan
 
 
+class LoadSampler:
+    """The 1-minute load average every `every` seconds while a run lasts (a thread; negligible cost)."""
+
+    def __init__(self, every: float = 5.0) -> None:
+        self.every, self.samples = every, [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict:
+        xs = self.samples
+        return {"min": min(xs), "mean": sum(xs) / len(xs), "max": max(xs), "samples": len(xs)}
+
+
+def wait_quiet(threshold: float | None, max_wait_s: float) -> dict:
+    """Wait until the 1-minute load average is below `threshold` (or max_wait_s passed)."""
+    t0 = time.monotonic()
+    while threshold is not None and os.getloadavg()[0] >= threshold and time.monotonic() - t0 < max_wait_s:
+        time.sleep(10)
+    return {"waited_s": round(time.monotonic() - t0, 1), "load_average_at_start": os.getloadavg()[0]}
+
+
+def source_state() -> dict:
+    """The commit measured, and whether the engine's sources differed from it (a shared working tree)."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD"),
+            "uncommitted_engine_files": git("status", "--short", "--", "phaselab/engine", "phaselab/model",
+                                            "phaselab/core").splitlines()}
+
+
+def by_kind(run_dir: str, params) -> dict:
+    """Measured / predicted iteration time per kind of iteration (prefill only, mixed, decode only)."""
+    from phaselab.sim import calibrate as cal
+
+    data = read_run_dir(run_dir)
+    model, dtype_bytes = cal.run_model(data.config)
+    iters = sorted(data.iterations, key=lambda r: r.start_ns)
+    pred = cal.predict_iterations(params, iters, model, get_hardware("cpu"), dtype_bytes)
+    meas = np.asarray(cal.iteration_cycles(iters)) / 1e9
+    kinds = np.array([("P" if r.num_prefill_tokens else "") + ("D" if r.num_decode_tokens else "") for r in iters])
+    out = {}
+    for kind, label in (("P", "prefill_only"), ("PD", "mixed"), ("D", "decode_only")):
+        k = kinds == kind
+        if k.any():
+            out[label] = {"iterations": int(k.sum()), "measured_s": float(meas[k].sum()),
+                          "predicted_s": float(pred[k].sum()), "ratio": float(meas[k].sum() / pred[k].sum()),
+                          "median_ratio": float(np.median(meas[k] / pred[k]))}
+    out["all"] = {"iterations": len(iters), "measured_s": float(meas.sum()), "predicted_s": float(pred.sum()),
+                  "ratio": float(meas.sum() / pred.sum())}
+    return out
+
+
+def speed_probe(engine, text_ids: list[int], tag: str, n: int = 3) -> float:
+    """Median seconds of one 192-token prefill alone: the machine's speed just before a run (the
+    probe's records are dropped by the next real_run)."""
+    from phaselab import SamplingParams
+
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        engine.add_request(text_ids[i * 200:i * 200 + 192], SamplingParams(temperature=0, max_tokens=1,
+                                                                          ignore_eos=True),
+                           request_id=f"probe-{tag}-{i}")
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
 def simulate_like(run_dir: str, reqs, params) -> dict:
     """The simulator's prediction of a real run: its scheduler config and KV blocks, these requests."""
     d_replay, _, _, _ = replay_inputs(read_run_dir(run_dir))
@@ -95,23 +191,25 @@ def compare(real: dict, sim: dict) -> dict:
 def speed_ratio(run_dir: str, params) -> float:
     """Median measured / predicted iteration time of a run under `params`: how much faster or
     slower the (shared) machine was during this run than the calibration says."""
-    from phaselab.obs.rundir import read_run_dir
     from phaselab.sim import calibrate as cal
 
     data = read_run_dir(run_dir)
     model, dtype_bytes = cal.run_model(data.config)
     iters = sorted(data.iterations, key=lambda r: r.start_ns)
-    f = cal._features(iters, model, get_hardware("cpu"), dtype_bytes)
-    pred, _, _ = cal._predict(cal._to_x(params, model.num_layers), f)
+    pred = cal.predict_iterations(params, iters, model, get_hardware("cpu"), dtype_bytes)
     return float(np.median(np.asarray(cal.iteration_cycles(iters)) / 1e9 / pred))
 
 
 def scaled(params, k: float):
     """The same cost model, every time multiplied by k."""
+    def div(v):
+        return None if v is None else v / k
     return dataclasses.replace(
         params, compute_efficiency=params.compute_efficiency / k, attention_efficiency=params.attention_efficiency / k,
-        memory_efficiency=params.memory_efficiency / k, iteration_overhead_s=params.iteration_overhead_s * k,
-        layer_overhead_s=params.layer_overhead_s * k, request_overhead_s=params.request_overhead_s * k,
+        decode_attention_efficiency=div(params.decode_attention_efficiency),
+        memory_efficiency=params.memory_efficiency / k, kv_memory_efficiency=div(params.kv_memory_efficiency),
+        iteration_overhead_s=params.iteration_overhead_s * k, layer_overhead_s=params.layer_overhead_s * k,
+        request_overhead_s=params.request_overhead_s * k, chunk_overhead_s=params.chunk_overhead_s * k,
         token_overhead_s=params.token_overhead_s * k)
 
 
@@ -124,15 +222,30 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/sim_fidelity.json")
     ap.add_argument("--workdir", default="/tmp/phaselab-sim-fidelity")
     ap.add_argument("--analyze-only", action="store_true", help="reuse the real runs already in --workdir")
+    ap.add_argument("--previous", default=None,
+                    help="with --analyze-only: the JSON of the run that measured --workdir (default: --out)")
+    ap.add_argument("--quiet-load", type=float, default=None,
+                    help="before each real run, wait for the 1-minute load average to fall below this")
+    ap.add_argument("--quiet-wait", type=float, default=300.0, help="longest wait for --quiet-load, s")
+    ap.add_argument("--calibrate-on", default="capacity", choices=["capacity", *RUNS],
+                    help="the real run the cost model is fitted on (default: %(default)s, the burst run, whose "
+                         "batches sweep from max_num_seqs down to 1: the whole range the other runs use)")
     args = ap.parse_args()
     n = args.num_prompts
     report: dict = {"benchmark": "sim_fidelity", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "num_prompts": n,
-                    "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "runs": {}}
+                    "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "cpu_count": os.cpu_count(), "runs": {}}
     if args.analyze_only:
-        with open(args.out) as f:
+        with open(args.previous or args.out) as f:
             previous = json.load(f)
         capacity = previous["capacity_req_per_s"]
-        report["runs"] = {k: {key: v for key, v in r.items() if not key.startswith("comparison")}
+        for key in ("measured", "source", "capacity_run"):
+            if key in previous:
+                report[key] = previous[key]
+        report["analyzed"] = report["date"]
+        report["date"] = previous.get("date")
+        report["runs"] = {k: {key: v for key, v in r.items()
+                              if not key.startswith("comparison") and key not in ("iterations_by_kind",
+                                                                                  "machine_speed_ratio")}
                           for k, r in previous["runs"].items()}
     else:
         from phaselab import LLM
@@ -142,23 +255,36 @@ def main() -> None:
                   max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=False)
         engine = llm.engine
         text_ids = engine.tokenizer.encode(long_text(60))
+        report["source"] = source_state()
+        report["measured"] = report["date"]
         # 1. capacity: everything at once
         burst = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=0)
-        makespan = real_run(engine, burst, text_ids, os.path.join(args.workdir, "capacity"), seed=0)
+        quiet = wait_quiet(args.quiet_load, args.quiet_wait)
+        probe = speed_probe(engine, text_ids, "capacity")
+        with LoadSampler() as load:
+            makespan = real_run(engine, burst, text_ids, os.path.join(args.workdir, "capacity"), seed=0)
         capacity = n / makespan
-        print(f"capacity: {capacity:.3f} req/s ({n} requests in {makespan:.1f} s)", flush=True)
+        report["capacity_run"] = {"makespan_s": makespan, "load_average": load.summary(), "speed_probe_s": probe,
+                                  **quiet}
+        print(f"capacity: {capacity:.3f} req/s ({n} requests in {makespan:.1f} s; load average "
+              f"{load.summary()['mean']:.1f})", flush=True)
         # 2. calibration at 70%, 3. test runs at 50% and 85%
         for name, (seed, frac) in RUNS.items():
             reqs = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=seed,
                                    arrivals=ArrivalSpec(request_rate=capacity * frac))
-            load0 = os.getloadavg()[0]
-            span = real_run(engine, reqs, text_ids, os.path.join(args.workdir, name), seed)
+            quiet = wait_quiet(args.quiet_load, args.quiet_wait)
+            probe = speed_probe(engine, text_ids, name)
+            with LoadSampler() as load:
+                span = real_run(engine, reqs, text_ids, os.path.join(args.workdir, name), seed)
             report["runs"][name] = {"seed": seed, "fraction_of_capacity": frac, "rate": capacity * frac,
-                                    "makespan_s": span, "load_average": [load0, os.getloadavg()[0]]}
-            print(f"{name}: {span:.1f} s (load average {load0:.1f} -> {os.getloadavg()[0]:.1f})", flush=True)
+                                    "makespan_s": span, "load_average": load.summary(), "speed_probe_s": probe,
+                                    **quiet}
+            print(f"{name}: {span:.1f} s (load average mean {load.summary()['mean']:.1f}, max "
+                  f"{load.summary()['max']:.1f})", flush=True)
     report["capacity_req_per_s"] = capacity
 
-    fit, _ = calibrate(os.path.join(args.workdir, "calibration"))
+    fit, _ = calibrate(os.path.join(args.workdir, args.calibrate_on))
+    report["calibrated_on"] = args.calibrate_on
     report["fit"] = fit.summary()
     report["params"] = fit.params.to_json()
     print(f"fit: |rel error| p50 {fit.summary()['relative_error_abs_p50']:.1%}, "
@@ -172,7 +298,11 @@ def main() -> None:
         ratio = speed_ratio(run_dir, fit.params)
         raw = compare(real, simulate_like(run_dir, reqs, fit.params))
         corrected = compare(real, simulate_like(run_dir, reqs, scaled(fit.params, ratio)))
-        report["runs"][name].update(comparison=raw, machine_speed_ratio=ratio, comparison_drift_corrected=corrected)
+        kinds = by_kind(run_dir, fit.params)
+        report["runs"][name].update(comparison=raw, machine_speed_ratio=ratio, comparison_drift_corrected=corrected,
+                                    iterations_by_kind=kinds, in_sample=name == args.calibrate_on)
+        print(f"{name} measured/predicted iteration time: " + ", ".join(
+            f"{k} {v['ratio']:.2f} ({v['iterations']})" for k, v in kinds.items()), flush=True)
         for label, cmp_ in (("predicted", raw), (f"drift-corrected x{ratio:.2f}", corrected)):
             print(f"{name} {label}: " + ", ".join(
                 f"{k} real {v['real'] * 1e3:.0f} ms sim {v['sim'] * 1e3:.0f} ms ({v['error']:+.0%})"
