@@ -243,6 +243,49 @@ class TreeMemorySampler:
             }
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def machine_busy_jiffies() -> int:
+    """CPU time (clock ticks, all cores) the machine spent not idle, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return 0
+    return sum(v) - v[3] - v[4]  # minus idle and iowait
+
+
+def process_cpu_jiffies(pid: int) -> int:
+    """utime + stime of one live process (clock ticks), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class CpuShare:
+    """Where the machine's CPU went during one window: the server's process tree vs everything else
+    (the bench client and any other job on the machine), in cores (1.0 = one core busy throughout).
+    A large `other_cores` beyond the client's share means someone else was computing too."""
+
+    def __init__(self, root_pid: int) -> None:
+        self.root_pid = root_pid
+        self.t0 = time.monotonic()
+        self.busy0 = machine_busy_jiffies()
+        self.tree0 = {p: process_cpu_jiffies(p) for p in process_tree(root_pid)}
+
+    def result(self) -> dict[str, float]:
+        wall = max(1e-9, time.monotonic() - self.t0)
+        busy = (machine_busy_jiffies() - self.busy0) / CLK_TCK / wall
+        server = sum(process_cpu_jiffies(p) - self.tree0.get(p, 0) for p in process_tree(self.root_pid))
+        server_cores = server / CLK_TCK / wall
+        return {"machine_busy_cores": busy, "server_cores": server_cores,
+                "other_cores_incl_client": max(0.0, busy - server_cores)}
+
+
 def loadavg() -> list[float]:
     try:
         with open("/proc/loadavg") as f:
@@ -702,25 +745,30 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines.append("")
 
     lines.append("Per workload (512 -> 128 tokens; interference: the bench's workload). Output tok/s | TTFT p50 / p99 "
-                 "ms | ITL p50 / p99 ms | TPOT mean ms | req/s | peak RSS MiB | load avg (1 min) before -> after:")
+                 "ms | ITL p50 / p99 ms | TPOT mean ms | req/s | peak RSS MiB | load avg (1 min) before -> after | "
+                 "cores busy during the workload: the server's process tree / everything else (the bench client "
+                 "and any other job):")
     lines.append("")
-    lines.append("| workload | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT | req/s | ok/n | RSS | load |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("| workload | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT | req/s | ok/n | RSS "
+                 "| load | cores |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for w in WORKLOAD_ORDER:
         for k in keys:
             r = servers[k].get("workloads", {}).get(w)
             if not r:
                 continue
             if "error" in r and "output_throughput" not in r:
-                lines.append(f"| {w} | {label(k)} | error: {str(r['error'])[:80]} |||||||||")
+                lines.append(f"| {w} | {label(k)} | error: {str(r['error'])[:80]} ||||||||||")
                 continue
             la0, la1 = r.get("loadavg_before") or [None], r.get("loadavg_after") or [None]
+            cpu = r.get("cpu") or {}
             lines.append(
                 f"| {w} | {label(k)} | {fmt(r.get('output_throughput'))} | {fmt(r.get('median_ttft_ms'))} "
                 f"| {fmt(r.get('p99_ttft_ms'))} | {fmt(r.get('median_itl_ms'))} | {fmt(r.get('p99_itl_ms'))} "
                 f"| {fmt(r.get('mean_tpot_ms'))} | {fmt(r.get('request_throughput'), 2)} "
                 f"| {r.get('completed', '?')}/{r.get('num_requests', '?')} | {fmt(r.get('peak_rss_mib'), 0)} "
-                f"| {fmt(la0[0], 2)} -> {fmt(la1[0], 2)} |")
+                f"| {fmt(la0[0], 2)} -> {fmt(la1[0], 2)} "
+                f"| {fmt(cpu.get('server_cores'), 2)} / {fmt(cpu.get('other_cores_incl_client'), 2)} |")
     lines.append("")
 
     peers = [k for k in keys if k != "phaselab"]
@@ -855,6 +903,7 @@ def measure_server(server: Server, workloads: list[Workload], ns: argparse.Names
         for w in [ns._warmup, *workloads]:
             est = estimate_s(server.kind, w) * ns._speed_factor.get(server.kind, 1.0)
             sampler.window_start()
+            cpu = CpuShare(server.pid)
             la0 = loadavg()
             t0 = time.monotonic()
             try:
@@ -868,6 +917,7 @@ def measure_server(server: Server, workloads: list[Workload], ns: argparse.Names
             if w.name != "warmup":
                 r.update(sampler.window_peak())
                 r["loadavg_before"], r["loadavg_after"] = la0, loadavg()
+                r["cpu"] = cpu.result()
                 entry["workloads"][w.name] = r
             else:
                 entry["warmup"] = {k: r.get(k) for k in ("completed", "num_requests", "wall_s", "error") if k in r}

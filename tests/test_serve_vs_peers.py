@@ -164,3 +164,20 @@ def test_loadavg_and_port_helpers():
         port = s.getsockname()[1]
         assert svp.port_in_use(port)
     assert svp.wait_port_free(port, timeout_s=5)
+
+
+@linux_proc
+def test_cpu_share_attributes_a_busy_child_to_the_server():
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass"])
+    try:
+        time.sleep(0.2)
+        share = svp.CpuShare(busy.pid)
+        time.sleep(1.0)
+        r = share.result()
+        assert r["server_cores"] > 0.3  # a spinning process: close to one core unless the machine is saturated
+        assert r["machine_busy_cores"] >= r["server_cores"] - 0.05
+        assert r["other_cores_incl_client"] >= 0
+    finally:
+        busy.kill()
+        busy.wait()
+    assert svp.process_cpu_jiffies(busy.pid) == 0
