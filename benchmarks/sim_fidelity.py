@@ -21,8 +21,9 @@ thread would. Outputs ignore EOS, so each request generates exactly its drawn le
 machine is shared: each run records the load average (sampled every 5 s while it runs), and
 `--quiet-load L` waits (up to --quiet-wait seconds) for the 1-minute load average to fall below L
 before each run; a speed probe (one 192-token prefill alone, median of 3) is timed just before
-each run, so a change of the machine's speed between runs shows. The report also gives, per run and per kind of iteration (prefill only, mixed,
-decode only), the measured / predicted time: what the fitted cost model misses, and where.
+each run, so a change of the machine's speed between runs shows. The report also gives, per run
+and per kind of iteration (prefill only, mixed, decode only), the measured / predicted time: what
+the fitted cost model misses, and where.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def main() -> None:
     print(f"fit: |rel error| p50 {fit.summary()['relative_error_abs_p50']:.1%}, "
           f"p90 {fit.summary()['relative_error_abs_p90']:.1%}; total time {fit.summary()['total_time_error']:+.1%}",
           flush=True)
-    for name, (seed, frac) in RUNS.items():
+    for name, (seed, _) in RUNS.items():
         run_dir = os.path.join(args.workdir, name)
         reqs = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=seed,
                                arrivals=ArrivalSpec(request_rate=report["runs"][name]["rate"]))

@@ -126,7 +126,8 @@ DEFAULT_PARAMS: dict[str, CostParams] = {
                       request_overhead_s=2e-4, chunk_overhead_s=0.0, token_overhead_s=0.0, allreduce_latency_s=0.0,
                       sources={k: "default: placeholder for this CPU; run `phaselab simulate calibrate RUN_DIR`"
                                for k in ("compute_efficiency", "rows_half", "attention_efficiency",
-                                         "decode_attention_efficiency", "memory_efficiency", "kv_memory_efficiency", "iteration_overhead_s",
+                                         "decode_attention_efficiency", "memory_efficiency", "kv_memory_efficiency",
+                                         "iteration_overhead_s",
                                          "layer_overhead_s", "request_overhead_s", "chunk_overhead_s",
                                          "token_overhead_s", "allreduce_latency_s")}),
 }
