@@ -488,8 +488,12 @@ def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: b
         configs.append(RunConfig(f"disagg-{spec.num_prefill}p{spec.num_decode}d",
                                  f"disaggregated {spec.num_prefill}P:{spec.num_decode}D (TP{tp}), KV over {spec.link}",
                                  mode="disagg", budget=budgets[0] if budgets else None))
-    return Plan(SIM_INTERFERENCE, SIM_SWEEP_LENS, SIM_SWEEP_OUTPUT_LEN, tuple(configs), "from device memory",
-                spec.dtype, 0, spec)
+    from phaselab.sim.cli import resolve_model
+
+    context = resolve_model(spec.model).max_position_embeddings
+    lens = tuple(n for n in SIM_SWEEP_LENS if n + SIM_SWEEP_OUTPUT_LEN < context)  # (and what the KV cache holds)
+    return Plan(SIM_INTERFERENCE, lens, SIM_SWEEP_OUTPUT_LEN, tuple(configs), "from device memory", spec.dtype, 0,
+                spec)
 
 
 def sim_deployment(spec: SimSpec, cfg: RunConfig) -> Any:

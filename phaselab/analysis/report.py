@@ -143,7 +143,7 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
             f"**interference**: {inter.num_streams} streams ({inter.stream_input_len}-token prompts, "
             f"{inter.stream_output_len} tokens each) decode while {inter.num_long_prompts} long prompts arrive, "
             f"from {fmt.s(sim.long_start_s)} every {fmt.s(sim.long_interval_s)}. **sweep**: one request at a time "
-            f"with inputs of {', '.join(map(str, p.sweep_lens))} tokens (those the context holds). "
+            f"with inputs of {', '.join(map(str, p.sweep_lens))} tokens. "
             f"Simulation wall time {fmt.s(result.wall_s)}."))
     for n in result.notes:
         doc.add(Para(n, "note"))
