@@ -814,6 +814,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                              f"incomplete ({errs or 'see the raw result'}); only completed requests enter the "
                              "figures.")
                 lines.append("")
+    for note in doc.get("notes") or []:  # written by hand into the JSON (what was seen during the run)
+        lines.append(f"Note: {note}")
+        lines.append("")
     inter_notes = []
     for k in keys:
         r = servers[k].get("workloads", {}).get("interference") or {}
