@@ -1,0 +1,181 @@
+"""Write benchmarks/RESULTS.md from the result JSONs: every figure comes from a measurement file.
+
+    python benchmarks/results_md.py [--results benchmarks/results] [--out benchmarks/RESULTS.md]
+
+Reads roofline.json, engine.json (benchmarks/engine.py), serve_vs_peers.md (rendered by
+benchmarks/serve_vs_peers.py from its JSON) and sim_fidelity.json; a missing file leaves its
+section saying which command makes it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def load(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def fmt(x: float | None, nd: int = 1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def med(d: dict | None) -> float | None:
+    return None if d is None else d.get("median")
+
+
+def spread(d: dict | None) -> str:
+    return "" if not d or d.get("n", 0) < 2 else f" ({fmt(d['min'])}-{fmt(d['max'])})"
+
+
+def machine_section(eng: dict, roof: dict | None) -> list[str]:
+    m = eng["machine"]
+    flags = ", ".join(k for k, v in m["cpu"]["flags"].items() if v) or "none"
+    out = [
+        "## Machine and settings",
+        "",
+        f"- CPU: {m['cpu']['model']}, {m['cores']} cores, {m['memory_bytes'] / 2**30:.0f} GiB; flags: {flags}"
+        f" (no AMX: bf16 GEMMs run on AVX512-BF16, not on AMX tiles).",
+        f"- {m['platform']}; Python {m['python']}; torch {m['torch']} (CPU capability {m['cpu_capability']});"
+        f" transformers {m['transformers']}.",
+        f"- Threads: torch intra-op {m['torch_num_threads']}, OMP_WAIT_POLICY={m['OMP_WAIT_POLICY']}"
+        f" (both engines of a run in one process, one after the other).",
+        f"- phaselab commit {m['phaselab_git']['commit'][:9]}"
+        f"{' (with local edits)' if m['phaselab_git'].get('phaselab_dirty') else ''};"
+        f" engine.py run {eng['date']} ({eng['duration_s'] / 60:.0f} min),"
+        f" load average {fmt(m['loadavg_at_start'][0], 2)} at start, {fmt(m['loadavg_at_end'][0], 2)} at end"
+        f" (the benchmark alone keeps it near 1-2 on 2 cores).",
+        f"- Command: `python {' '.join(eng['command'])}`.",
+    ]
+    if roof:
+        bw = roof["bandwidth"]
+        out.append(
+            f"- Ceilings (`benchmarks/roofline.py`, {roof['date']}): read bandwidth {bw['read_bytes_per_s'] / 1e9:.1f} GB/s"
+            f" ({bw['array_bytes'] / 2**30:.0f} GiB arrays); model-layer GEMM mix at 512 rows:"
+            f" bf16 {roof['bfloat16']['gemm_flops_per_s']['layer_mix']['512'] / 1e9:.0f} GFLOP/s,"
+            f" fp32 {roof['float32']['gemm_flops_per_s']['layer_mix']['512'] / 1e9:.0f} GFLOP/s;"
+            f" at 1 row: bf16 {roof['bfloat16']['gemm_flops_per_s']['layer_mix']['1'] / 1e9:.1f},"
+            f" fp32 {roof['float32']['gemm_flops_per_s']['layer_mix']['1'] / 1e9:.1f} GFLOP/s."
+        )
+    return out + [""]
+
+
+def engine_section(eng: dict) -> list[str]:
+    out = ["## Engine, offline (`benchmarks/engine.py`)", "",
+           "Medians of the trials, (min-max) where there were several. `floor` = max(FLOPs / GEMM rate measured"
+           " at that row count, bytes / read bandwidth), bytes = weights once + KV read + KV written.", ""]
+    for dt, sec in eng["dtypes"].items():
+        p = sec.get("prefill")
+        if p:
+            out += [f"### Prefill, {dt}", "",
+                    "| prompt | phaselab tok/s | transformers tok/s | phaselab / HF | phaselab % of GEMM rate | HF % of GEMM rate | floor tok/s |",
+                    "|---|---|---|---|---|---|---|"]
+            for n, row in p["lengths"].items():
+                ph, hf = row.get("phaselab", {}), row.get("transformers", {})
+                out.append(
+                    f"| {n} | {fmt(med(ph.get('tokens_per_s')), 0)}{spread(ph.get('tokens_per_s'))} "
+                    f"| {fmt(med(hf.get('tokens_per_s')), 0)}{spread(hf.get('tokens_per_s'))} "
+                    f"| {fmt(row.get('ratio_phaselab_over_hf_tokens_per_s'), 2)}x "
+                    f"| {fmt(100 * ph['fraction_of_gemm_rate'], 0) if 'fraction_of_gemm_rate' in ph else '-'}% "
+                    f"| {fmt(100 * hf['fraction_of_gemm_rate'], 0) if 'fraction_of_gemm_rate' in hf else '-'}% "
+                    f"| {fmt(row['floor']['floor_tokens_per_s'], 0)} |")
+            out.append("")
+        d = sec.get("decode")
+        if d:
+            out += [f"### Decode, {dt} ({d['context']}-token contexts)", "",
+                    "| batch | phaselab ms/step | transformers ms/step | speedup | phaselab / floor | phaselab / bandwidth floor | HF / floor | floor ms (bound) | bandwidth floor ms |",
+                    "|---|---|---|---|---|---|---|---|---|"]
+            for b, row in d["batches"].items():
+                ph, hf, fl = row.get("phaselab", {}), row.get("transformers", {}), row["floor"]
+                out.append(
+                    f"| {b} | {fmt(med(ph.get('ms_per_step')))}{spread(ph.get('ms_per_step'))} "
+                    f"| {fmt(med(hf.get('ms_per_step')))}{spread(hf.get('ms_per_step'))} "
+                    f"| {fmt(row.get('speedup_phaselab_over_hf'), 2)}x | {fmt(ph.get('time_over_floor'), 2)}x "
+                    f"| {fmt(ph.get('time_over_bandwidth_floor'), 2)}x | {fmt(hf.get('time_over_floor'), 2)}x "
+                    f"| {fmt(fl['floor_ms'])} ({fl['bound']}) | {fmt(fl['bandwidth_floor_ms'])} |")
+            out.append("")
+        o = sec.get("offline")
+        if o:
+            w, ph, hf = o["workload"], o.get("phaselab", {}), o.get("transformers", {})
+            kv = o.get("kv_cache", {}).get("phaselab", {})
+            mem = o.get("memory", {}).get("per_engine", {})
+            out += [f"### Offline workload, {dt}: {w['requests']} x {w['prompt_tokens']} -> {w['output_tokens']} greedy tokens", "",
+                    "| engine | output tok/s | wall s | time / floor | peak RSS during its runs |",
+                    "|---|---|---|---|---|"]
+            for name, e in (("phaselab", ph), ("transformers generate()", hf)):
+                key = "phaselab" if name == "phaselab" else "transformers"
+                rss = mem.get(key, {}).get("peak_rss_bytes")
+                out.append(f"| {name} | {fmt(med(e.get('output_tokens_per_s')))} | {fmt(med(e.get('wall_s')))} "
+                           f"| {fmt(e.get('time_over_floor'), 2)}x | {fmt(rss / 2**30 if rss else None, 2)} GiB |")
+            out += ["", f"Speedup {fmt(o.get('speedup_phaselab_over_hf'), 2)}x; transformers in sub-batches of"
+                        f" {o.get('transformers_sub_batch')}. phaselab's KV cache: budget {kv.get('budget_bytes', 0) / 2**30:.2f} GiB"
+                        f" allocated once, peak {kv.get('peak_used_fraction', 0) * 100:.0f}% of its blocks in use,"
+                        f" tensor never regrown: {kv.get('cache_tensor_unchanged')}; transformers' DynamicCache grows"
+                        f" on demand (modeled peak {o.get('kv_cache', {}).get('transformers', {}).get('peak_used_bytes', 0) / 2**30:.2f} GiB)."
+                        " Peak RSS includes both engines' weights (one process).", ""]
+    return out
+
+
+def targets_section(eng: dict, served_md: str | None) -> list[str]:
+    out = ["## Issue 9 targets", "",
+           "| target | dtype | value | met | stated for this dtype |", "|---|---|---|---|---|"]
+    for t in eng["summary"]["targets"]:
+        out.append(f"| {t['target']} | {t['dtype']} | {fmt(t['value'], 2)} | {'yes' if t['met'] else 'no'} "
+                   f"| {'yes' if t['binding'] else 'no (reported for comparison)'} |")
+    if served_md and "Issue 9's served targets" in served_md:
+        out += ["", "Served targets: see the end of the served section below."]
+    return out + [""]
+
+
+def fidelity_section(fid: dict | None) -> list[str]:
+    if not fid:
+        return ["## Simulator self-fidelity", "", "Run `python benchmarks/sim_fidelity.py`.", ""]
+    out = ["## Simulator self-fidelity (`benchmarks/sim_fidelity.py`, issue 10)", "",
+           f"Calibrated on the `{fid.get('calibrate_on', 'calibration')}` run, predicting the others (relative error of the"
+           " simulated figure; targets: p50 within 10%, p99 within 20%).", "",
+           "| run | load (share of capacity) | load average | TTFT p50 | TTFT p99 | TBT p50 | TBT p99 |",
+           "|---|---|---|---|---|---|---|"]
+    for name, r in fid["runs"].items():
+        c = r.get("comparison", {})
+        la = r.get("load_average")
+        la_s = fmt(la.get("mean"), 2) if isinstance(la, dict) else "-"
+        cells = [f"{100 * c[k]['error']:+.0f}%" if k in c else "-" for k in ("ttft_s_p50", "ttft_s_p99", "tbt_s_p50", "tbt_s_p99")]
+        out.append(f"| {name} | {fmt(r.get('fraction_of_capacity'), 2)} | {la_s} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    ns = ap.parse_args()
+    eng = load(os.path.join(ns.results, "engine.json"))
+    roof = load(os.path.join(ns.results, "roofline.json"))
+    fid = load(os.path.join(ns.results, "sim_fidelity.json"))
+    served_path = os.path.join(ns.results, "serve_vs_peers.md")
+    served = open(served_path).read() if os.path.exists(served_path) else None
+    lines = ["# Benchmark results", "",
+             "Generated by `python benchmarks/results_md.py` from the JSON files in `benchmarks/results/`;"
+             " the commands that make them are in each section. Numbers are from one 2-core shared machine:"
+             " compare figures within a table (same run), not across runs.", ""]
+    if eng is None:
+        lines += ["Run `python benchmarks/roofline.py && python benchmarks/engine.py` first.", ""]
+    else:
+        lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
+    lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
+    lines += [served.replace("### Served: ", "Run: "), ""] if served else ["Run `python benchmarks/serve_vs_peers.py`.", ""]
+    lines += fidelity_section(fid)
+    with open(ns.out, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+    print(f"wrote {ns.out}")
+
+
+if __name__ == "__main__":
+    main()
