@@ -219,3 +219,59 @@ def test_cli_errors_are_friendly(capsys):
     assert bench_main(["bench", "--goodput", "itl:5", "--model", "m"]) == 2
     assert "NAME:MILLISECONDS" in capsys.readouterr().err
     assert bench_main(["bench", "--concurrency", "2", "--request-rate", "3", "--model", "m"]) == 2
+
+
+def _mock_client(handler) -> StreamingClient:  # type: ignore[no-untyped-def]
+    import httpx
+
+    client = StreamingClient(ClientConfig(base_url="http://test", model="m", endpoint="completions"))
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    return client
+
+
+_SSE = (b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"text":"b","finish_reason":"length"}]}\n\ndata: [DONE]\n\n')
+
+
+def test_stale_pooled_connection_is_resent_once():
+    """A server that closes each connection after a streamed reply (llama-server) leaves a dead
+    socket in the pool: the POST on it gets no response; the client resends once and says so."""
+    import httpx
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) == 1:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=_SSE, headers={"content-type": "text/event-stream"})
+
+    async def run() -> RequestRecord:
+        async with _mock_client(handler) as client:
+            spec = RequestSpec("r1", "hi", 2)
+            return await client.send(spec, new_record(spec, time.monotonic_ns()))
+
+    rec = asyncio.run(run())
+    assert len(calls) == 2 and json.loads(calls[1].content)["prompt"] == "hi"
+    assert rec.exception is None and rec.status_code == 200 and rec.stale_connection_retries == 1
+    assert rec.lines[-1] == "data: [DONE]" and len(rec.line_ns) == 3
+
+
+def test_no_response_twice_fails_the_request_without_a_third_try():
+    import httpx
+
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+
+    async def run() -> RequestRecord:
+        async with _mock_client(handler) as client:
+            spec = RequestSpec("r1", "hi", 2)
+            return await client.send(spec, new_record(spec, time.monotonic_ns()))
+
+    rec = asyncio.run(run())
+    assert len(calls) == 2
+    assert rec.is_transport_failure and "RemoteProtocolError" in (rec.exception or "")
+    assert rec.stale_connection_retries == 1

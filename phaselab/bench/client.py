@@ -64,6 +64,7 @@ class RequestRecord:
     exception: str | None = None  # transport error or cancellation, "Type: message"
     is_transport_failure: bool = False  # no response at all: refused, reset before the headers
     error_body: str | None = None  # body of a non-200 response
+    stale_connection_retries: int = 0  # pooled connection found closed before any response (resent once)
 
 
 @dataclass
@@ -203,24 +204,21 @@ class StreamingClient:
         """Stream one request into `rec` (created by the caller, so a cancelled run keeps it)."""
         body = self.body(spec)
         headers = {"X-Request-Id": spec.request_id}
-        lines, line_ns = rec.lines, rec.line_ns
         clock = time.monotonic_ns
         rec.sent_ns = clock()
         try:
-            async with self._http.stream("POST", self.url, json=body, headers=headers) as resp:
-                rec.headers_ns = clock()
-                rec.status_code = resp.status_code
-                if resp.status_code != 200:
-                    rec.error_body = (await resp.aread()).decode("utf-8", "replace")
-                    return rec
-                async for line in resp.aiter_lines():
-                    # the hot path: stamp and keep; parse_stream() reads them after the stream
-                    if line:
-                        line_ns.append(clock())
-                        lines.append(line)
-                        if line.endswith("[DONE]"):
-                            rec.end_ns = line_ns[-1]  # the response is complete for the user here
-                # reading on to the end of the body lets the connection go back to the pool
+            for attempt in (0, 1):
+                try:
+                    await self._stream(body, headers, rec)
+                    break
+                except httpx.RemoteProtocolError:
+                    # Servers that close a connection after each streamed reply (llama.cpp's
+                    # llama-server) leave dead sockets in the pool; a POST sent on one gets no
+                    # response at all. Resend once, as HTTP clients do for a stale keep-alive
+                    # connection; anything after the server answered is not retried.
+                    if attempt == 1 or rec.headers_ns is not None:
+                        raise
+                    rec.stale_connection_retries += 1
         except asyncio.CancelledError:
             rec.exception = "cancelled: the run stopped before the stream finished"
             raise
@@ -233,6 +231,24 @@ class StreamingClient:
             if rec.end_ns is None:
                 rec.end_ns = clock()
         return rec
+
+    async def _stream(self, body: dict[str, Any], headers: dict[str, str], rec: RequestRecord) -> None:
+        lines, line_ns = rec.lines, rec.line_ns
+        clock = time.monotonic_ns
+        async with self._http.stream("POST", self.url, json=body, headers=headers) as resp:
+            rec.headers_ns = clock()
+            rec.status_code = resp.status_code
+            if resp.status_code != 200:
+                rec.error_body = (await resp.aread()).decode("utf-8", "replace")
+                return
+            async for line in resp.aiter_lines():
+                # the hot path: stamp and keep; parse_stream() reads them after the stream
+                if line:
+                    line_ns.append(clock())
+                    lines.append(line)
+                    if line.endswith("[DONE]"):
+                        rec.end_ns = line_ns[-1]  # the response is complete for the user here
+            # reading on to the end of the body lets the connection go back to the pool
 
 
 def new_record(spec: RequestSpec, scheduled_ns: int) -> RequestRecord:
