@@ -134,6 +134,33 @@ def targets_section(eng: dict, served_md: str | None) -> list[str]:
     return out + [""]
 
 
+def served_fp32_section(alt: dict | None, main: dict | None) -> list[str]:
+    """phaselab served in float32 (the faster dtype on a CPU without AMX) next to the main run's peers."""
+    if not alt or "phaselab" not in alt.get("servers", {}):
+        return []
+    ph = alt["servers"]["phaselab"]
+    peers = (main or {}).get("servers", {})
+    out = ["### phaselab served in float32 (a separate run of the same script, same workloads and seeds)", "",
+           f"`{ph.get('settings', {}).get('command', '')}`; {alt.get('date', '')}. Ratios against the peers of the main"
+           " run above (same machine, same client, same prompts; not the same minute).", "",
+           "| workload | out tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | out tok/s / vLLM | TTFT p50 / vLLM | ITL p99 / vLLM"
+           " | out tok/s / llama.cpp bf16 |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, w in ph.get("workloads", {}).items():
+        v = peers.get("vllm", {}).get("workloads", {}).get(name, {})
+        lb = peers.get("llamacpp-bf16", {}).get("workloads", {}).get(name, {})
+
+        def ratio(a: float | None, b: float | None) -> str:
+            return "-" if not a or not b else f"{a / b:.2f}x"
+
+        out.append(f"| {name} | {fmt(w.get('output_throughput'))} | {fmt(w.get('median_ttft_ms'), 0)} "
+                   f"| {fmt(w.get('median_itl_ms'))} | {fmt(w.get('p99_itl_ms'), 0)} "
+                   f"| {ratio(w.get('output_throughput'), v.get('output_throughput'))} "
+                   f"| {ratio(w.get('median_ttft_ms'), v.get('median_ttft_ms'))} "
+                   f"| {ratio(w.get('p99_itl_ms'), v.get('p99_itl_ms'))} "
+                   f"| {ratio(w.get('output_throughput'), lb.get('output_throughput'))} |")
+    return out + [""]
+
+
 def fidelity_section(fid: dict | None) -> list[str]:
     if not fid:
         return ["## Simulator self-fidelity", "", "Run `python benchmarks/sim_fidelity.py`.", ""]
@@ -171,6 +198,8 @@ def main() -> None:
         lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
     lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
     lines += [served.replace("### Served: ", "Run: "), ""] if served else ["Run `python benchmarks/serve_vs_peers.py`.", ""]
+    lines += served_fp32_section(load(os.path.join(ns.results, "serve_vs_peers_phaselab_fp32.json")),
+                                 load(os.path.join(ns.results, "serve_vs_peers.json")))
     lines += fidelity_section(fid)
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
