@@ -353,6 +353,20 @@ def run_configuration(plan: Plan, cfg: RunConfig, checkpoint: Any, out_dir: Path
     return res
 
 
+def _write_result(out: Path, plan: Plan, results: list[Any], notes: list[str], progress: Progress,
+                  t_start: float) -> CompareResult:
+    """The report, diagnosis and index of a finished compare run (real or simulated alike)."""
+    from phaselab.analysis.report import write_compare_outputs
+
+    progress.stage("writing the report")
+    result = CompareResult(out, plan, results, notes)
+    result.wall_s = time.monotonic() - t_start
+    result.files = write_compare_outputs(result)
+    result.wall_s = time.monotonic() - t_start  # including the report
+    progress.stage(f"done in {result.wall_s:.0f} s: {result.files['report']}")
+    return result
+
+
 def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, show_progress: bool = True,
                 stream: Any = None) -> CompareResult:
     """Run every configuration and write the report. Returns what was written."""
@@ -390,15 +404,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, s
             msg = f"disaggregated 1P1D failed and is left out: {type(e).__name__}: {e}"
             notes.append(msg)
             print(f"phaselab compare: note: {msg}", file=stream or sys.stderr)
-    progress.stage("writing the report")
-    result = CompareResult(out, plan, results, notes)
-    from phaselab.analysis.report import write_compare_outputs
-
-    result.wall_s = time.monotonic() - t_start
-    result.files = write_compare_outputs(result)
-    result.wall_s = time.monotonic() - t_start
-    progress.stage(f"done in {result.wall_s:.0f} s: {result.files['report']}")
-    return result
+    return _write_result(out, plan, results, notes, progress, t_start)
 
 
 # -- simulated: the same comparison at cluster scale (phaselab/sim) -------------------------------------------------
@@ -581,15 +587,7 @@ def run_sim_compare(out_dir: str | Path, spec: SimSpec, budgets: Sequence[int] =
     for i, cfg in enumerate(plan.configs):
         progress.stage(f"[{i + 1}/{len(plan.configs)}] {cfg.label}")
         results.append(run_sim_configuration(plan, cfg, out, progress))
-    progress.stage("writing the report")
-    from phaselab.analysis.report import write_compare_outputs
-
-    result = CompareResult(out, plan, results, notes)
-    result.wall_s = time.monotonic() - t_start
-    result.files = write_compare_outputs(result)
-    result.wall_s = time.monotonic() - t_start
-    progress.stage(f"done in {result.wall_s:.0f} s: {result.files['report']}")
-    return result
+    return _write_result(out, plan, results, notes, progress, t_start)
 
 
 def load_compare(out_dir: str | Path) -> CompareResult:
