@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import pre_tokenizers
 
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 from phaselab.model.gguf_loader import hf_to_gguf_name
 from phaselab.model.loader import expected_tensor_shapes
 
@@ -96,7 +96,7 @@ def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, torch.
 
 def write_tiny_tokenizer(directory: str, add_bos: bool = False) -> None:
     """tokenizer.json + tokenizer_config.json exported from the tiny GGUF vocabulary."""
-    from phaselab.model.tokenizer import Tokenizer
+    from phaselab.spec.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(tiny_tokenizer_metadata(add_bos=add_bos))
     tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))

@@ -299,7 +299,7 @@ def test_tokenizer_larger_than_embedding(tmp_path):
 
 
 def test_expected_shapes_match_parameter_count():
-    from phaselab.model.config import ModelConfig
+    from phaselab.spec.config import ModelConfig
 
     for arch, tie, bias in [("LlamaForCausalLM", True, False), ("Qwen2ForCausalLM", False, True)]:
         config = ModelConfig.from_hf_dict(tiny_hf_config(arch, tie=tie, attention_bias=bias))

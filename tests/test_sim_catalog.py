@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from phaselab.errors import ConfigError, UnsupportedModelError
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 from phaselab.sim.catalog import (
     HARDWARE, LINKS, MODELS, get_hardware, get_link, get_model, model_from_hf_config, source_of,
 )

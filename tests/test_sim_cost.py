@@ -12,7 +12,7 @@ import pytest
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, ScheduledChunk
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 from phaselab.obs.cost import modeled_cost
 from phaselab.sim.calibrate import fit_params, nnls
 from phaselab.sim.catalog import ModelSpec, get_hardware, get_link, get_model

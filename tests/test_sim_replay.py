@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.catalog import ModelSpec, get_hardware
 from phaselab.sim.deployment import Deployment, RoleConfig

@@ -14,7 +14,7 @@ import torch
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.model import kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.sampler import Sampler
 
