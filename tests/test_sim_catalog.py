@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from phaselab.errors import ConfigError, UnsupportedModelError
-from phaselab.spec.config import ModelConfig
 from phaselab.sim.catalog import (
+from phaselab.spec.config import ModelConfig
     HARDWARE, LINKS, MODELS, get_hardware, get_link, get_model, model_from_hf_config, source_of,
 )
 

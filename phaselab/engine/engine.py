@@ -35,8 +35,8 @@ from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.engine.runner import ModelRunner, kv_block_bytes
 from phaselab.errors import ConfigError, InvalidRequestError
-from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.checkpoint import LoadedCheckpoint
+from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
 from phaselab.model.sampler import Sampler
 from phaselab.obs.cost import modeled_cost
