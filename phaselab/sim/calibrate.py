@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from phaselab.core.timing import IterationRecord
-from phaselab.obs.cost import CostFormulas
+from phaselab.obs.cost import CostFormulas, keys_attended
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.cost import CostParams, default_params
@@ -142,7 +142,7 @@ def _features(iterations: list[IterationRecord], model: ModelConfig, hw: Hardwar
             else:  # a chunk attends causally to the prefix and itself, reads the prefix, writes n tokens
                 nc += 1
                 s = ctx - n
-                keys_p += n * s + n * (n + 1) // 2
+                keys_p += keys_attended(n, s)
                 kv_p += s + n
         f["nc"].append(nc)
         f["att_c"].append(flops_per_key * keys_p / hw.peak_flops)
