@@ -15,6 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from phaselab.disagg.protocol import WorkerStats
 from phaselab.obs.prometheus import BYTES_BUCKETS, STEP_SECONDS_BUCKETS
 
 BANDWIDTH_BUCKETS = tuple(float(2**k) for k in range(20, 38))  # 1 MiB/s .. 128 GiB/s
@@ -92,3 +93,47 @@ def merge_exposition(texts: list[bytes]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(families.values())))  # type: ignore[arg-type]
     return generate_latest(registry)
+
+
+class WorkerPrometheus:
+    """Per-worker gauges and counters of disaggregation, next to the engine's own registry."""
+
+    def __init__(self, name: str, role: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"worker": name, "role": role}
+        names = list(labels)
+
+        def gauge(metric: str, doc: str) -> Any:
+            return Gauge(metric, doc, names, registry=self.registry).labels(**labels)
+
+        self.busy = gauge("phaselab_worker_busy_ratio", "Fraction of the worker's lifetime spent in iterations.")
+        self.parked = gauge("phaselab_worker_kv_leases", "Prefill: parked requests whose KV is leased, awaiting pickup.")
+        self.transfer_queue = gauge("phaselab_worker_kv_transfer_queue_length", "Decode: KV transfers not started.")
+        self.staged = gauge("phaselab_worker_kv_staged_requests", "Decode: KV received, waiting for free blocks.")
+        self._leases = Counter("phaselab_worker_kv_leases_ended", "Prefill: leases ended, by outcome "
+                               "(acked, released, expired, aborted, replaced).", [*names, "outcome"],
+                               registry=self.registry)
+        self._transfers = Counter("phaselab_worker_kv_transfers", "Decode: KV fetches, by outcome (ok, failed).",
+                                  [*names, "outcome"], registry=self.registry)
+        self.labels = labels
+
+    def set_stats(self, s: WorkerStats) -> None:
+        self.busy.set(s.busy_fraction)
+        self.parked.set(s.num_parked)
+        self.transfer_queue.set(s.num_transfer_queue)
+        self.staged.set(s.num_staged)
+
+    def lease_ended(self, outcome: str) -> None:
+        self._leases.labels(**self.labels, outcome=outcome or "released").inc()
+
+    def transfer(self, outcome: str) -> None:
+        self._transfers.labels(**self.labels, outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+

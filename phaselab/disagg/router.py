@@ -37,13 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phaselab.config import EngineArgs
-from phaselab.core.outputs import TokenLogprobs
+from phaselab.core.outputs import EngineStats, TokenLogprobs
+from phaselab.core.prompt import validate_prompt
+from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.routing import RoutingPolicy, WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics
+from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.disagg.config import DisaggConfig
 from phaselab.disagg.connector import KVSource, handshake
 from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics, merge_exposition
+from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
 from phaselab.disagg.protocol import (
     AdmittedEvent,
     FailureEvent,
@@ -53,13 +56,8 @@ from phaselab.disagg.protocol import (
     TransferSpec,
     WorkerReport,
 )
-from phaselab.disagg.worker import (
-    DisaggWorker,
-    WorkerHandle,
-    _boot_id,
-    checkpoint_to_wire,
-    worker_env,
-)
+from phaselab.disagg.process import WorkerHandle, boot_id, checkpoint_to_wire, worker_env
+from phaselab.disagg.worker import DisaggWorker
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.errors import ConfigError, InvalidRequestError
 from phaselab.obs.prometheus import EngineMetrics
@@ -136,6 +134,7 @@ class DisaggEngine:
         prefill_overrides: dict[str, Any] | None = None,
         decode_overrides: dict[str, Any] | None = None,
         checkpoint: Any = None,
+        keep_records: bool = True,
     ) -> None:
         import ray
 
@@ -145,20 +144,20 @@ class DisaggEngine:
         self.decode_policy = decode_policy or make_routing_policy(args.routing_policy)
         self.worker, self.role = "router", "router"
         self.stamp_sent = True
-        self.recording = True
-        self.finished_requests: list[RequestMetrics] = []
-        self.iterations: list[IterationRecord] = []
         self.router_metrics = RouterMetrics()
         # request metrics of the one record per request; render() merges every worker's registry too
         self.metrics = MergedEngineMetrics(EngineMetrics(labels={"worker": "router", "role": "router"}),
                                            self.router_metrics)
+        # the one record per request, assembled here from the workers' (record.py); without
+        # keep_records (a server without --record) closed records and iterations are only observed
+        self.recorder = PhaseRecorder("router", "router", keep=keep_records,
+                                      on_finished=lambda m: observe_router_record(self.metrics, self.router_metrics, m))
         self._metrics_refs: dict[str, Any] = {}
         self._metrics_refreshed_ns = 0
         self._requests: dict[str, _Request] = {}
-        self._awaiting_delivery: dict[str, RequestMetrics] = {}
         self._next_id = 0
         self._attempt_seq = 0
-        self._boot_id = _boot_id()
+        self._boot_id = boot_id()
 
         from phaselab.model.loader import default_model_path
         from phaselab.model.tokenizer import load_tokenizer
@@ -203,7 +202,6 @@ class DisaggEngine:
         self.model_config = infos[0].model_config
         model = infos[0].run_config.get("model", {})
         self.checkpoint_path, self.checkpoint_format = model.get("path"), model.get("format")
-        self.scheduler = _QueuesView(self)  # what a server reads of an engine's scheduler
         self.started_ns = time.monotonic_ns()
 
     # -- start-up: handshake, clocks, layouts --------------------------------------------------------------
@@ -246,31 +244,27 @@ class DisaggEngine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (prompt plus at least one "
-                "output token must fit); shorten the prompt or raise --max-model-len / --kv-cache-memory")
+        validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrived_ns: int | None = None) -> str:
+                    request_id: str | None = None, arrived_ns: int | None = None, *,
+                    tokenized_ns: int | None = None, queued_ns: int | None = None,
+                    prompt_text: str | None = None) -> str:
+        """As LLMEngine.add_request. `queued_ns` is not the router's to stamp: the record's queue
+        is the prefill worker's (from when the request reached it), whatever the caller passes."""
+        del queued_ns
         arrived_ns = arrived_ns or time.monotonic_ns()
         params = params or SamplingParams()
         rid = request_id or self.new_request_id()
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         ids = self.tokenize(prompt)
-        tokenized_ns = time.monotonic_ns()
+        tokenized_ns = tokenized_ns or time.monotonic_ns()
         self.validate_prompt(ids)
-        m = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, request_id=rid,
-                           num_prompt_tokens=len(ids))
+        m = self.recorder.open(rid, len(ids), arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=None,
+                               worker="")
         timeout = self.config.request_timeout_s
-        r = _Request(rid, ids, params, prompt if isinstance(prompt, str) else None, m,
+        r = _Request(rid, ids, params, prompt if isinstance(prompt, str) else prompt_text, m,
                      None if timeout is None else arrived_ns + int(timeout * 1e9),
                      logprobs=[] if params.logprobs is not None else None)
         self._requests[rid] = r
@@ -310,18 +304,41 @@ class DisaggEngine:
                 if r.phase == "finished":
                     finished.append(r)
         sent_ns = time.monotonic_ns()
-        for out in outputs:
-            m = out.metrics
-            if self.stamp_sent:
-                m.token_sent_ns.extend(sent_ns for _ in range(len(m.token_sampled_ns) - len(m.token_sent_ns)))
+        if self.stamp_sent:
+            for out in outputs:
+                self.recorder.stamp_sent(out.metrics, sent_ns)
         for r in finished:
             self._close(r, sent_ns if self.stamp_sent else None)
         return outputs
 
     def mark_delivered(self, request_id: str, sent_ns: int) -> None:
-        m = self._awaiting_delivery.pop(request_id, None)
-        if m is not None:
-            self._close_record(m, sent_ns)
+        self.recorder.mark_delivered(request_id, sent_ns)
+
+    def stats(self) -> EngineStats:
+        """Queues over the router's requests (waiting: not decoding yet, i.e. queued, prefilling or
+        waiting for the KV transfer), KV usage over every live worker (from their last reports)."""
+        reqs = self._requests.values()
+        stats = [w.stats for w in self.workers.values() if w.alive and w.stats]
+        total = sum(s.num_blocks_total for s in stats)
+        used = sum(s.num_blocks_used for s in stats)
+        return EngineStats(sum(1 for r in reqs if r.phase == "prefill"), sum(1 for r in reqs if r.phase == "decode"),
+                           len(self._requests), used / total if total else 0.0, used, self.recorder.stats())
+
+    @property
+    def finished_requests(self) -> list[RequestMetrics]:
+        return self.recorder.requests
+
+    @property
+    def iterations(self) -> list[IterationRecord]:
+        return self.recorder.iterations
+
+    @property
+    def recording(self) -> bool:
+        return self.recorder.enabled
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        self.recorder.enabled = on
 
     # -- polling -------------------------------------------------------------------------------------------------
     def _pump(self, wait_s: float) -> None:
@@ -378,7 +395,7 @@ class DisaggEngine:
     def _apply(self, w: WorkerHandle, report: WorkerReport) -> None:
         w.stats = report.stats
         for rec in report.iterations:
-            self.iterations.append(_shift_iteration(rec, w.clock_offset_ns))
+            self.recorder.add_iteration(shift_iteration(rec, w.clock_offset_ns))
         for ev in report.events:
             r = self._requests.get(ev.request_id)
             if isinstance(ev, TokenEvent):
@@ -403,30 +420,10 @@ class DisaggEngine:
             if ev.kv is not None:  # a stale prefill (re-routed meanwhile): free its KV there
                 w.actor.release_kv.remote(ev.request_id, "released", ev.kv.attempt)
             return
-        m, off = r.metrics, w.clock_offset_ns
-        rec = _shift_metrics(ev.record, off) if ev.record is not None else None
         if w.role == "prefill":
             self._unload(r, w.name)
-            m.worker = w.name
-            if rec is not None:
-                if m.first_token_sampled_ns is None:  # the first prefill of this request
-                    m.queued_ns, m.first_scheduled_ns = rec.queued_ns, rec.first_scheduled_ns
-                    m.prefill_chunks = rec.prefill_chunks
-                    m.recompute_chunks += rec.recompute_chunks
-                    m.num_cached_tokens = rec.num_cached_tokens
-                else:  # a re-prefill after the KV was lost: recomputation
-                    m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
-                self._merge_preemptions(m, rec)
-        elif rec is not None:
-            m.decode_worker = w.name
-            m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
-            self._merge_preemptions(m, rec)
+        merge_worker_tokens(r.metrics, w.name, w.role, w.clock_offset_ns, ev.record, ev.sampled_ns, ev.iteration_ids)
         r.output_token_ids += ev.new_token_ids
-        sampled = [t - off for t in ev.sampled_ns]
-        if m.first_token_sampled_ns is None and sampled:
-            m.first_token_sampled_ns = sampled[0]
-        m.token_sampled_ns += sampled
-        m.token_iteration_ids += ev.iteration_ids
         r.text = ev.text
         if r.logprobs is not None and ev.logprobs:
             r.logprobs += ev.logprobs
@@ -437,25 +434,12 @@ class DisaggEngine:
             r.kv, r.sampler_state = ev.kv, ev.sampler_state
             self._to_decode(r)
 
-    @staticmethod
-    def _merge_preemptions(m: RequestMetrics, rec: RequestMetrics) -> None:
-        m.preempted_ns += rec.preempted_ns
-        m.resumed_ns += rec.resumed_ns
-        m.num_preemptions += rec.num_preemptions
-
     def _on_transfer(self, w: WorkerHandle, r: _Request, ev: TransferEvent) -> None:
-        off = w.clock_offset_ns
-        m = r.metrics
-        m.kv_transfer_queued_ns, m.kv_transfer_start_ns, m.kv_transfer_end_ns = (
-            ev.queued_ns - off, ev.start_ns - off, ev.end_ns - off)
         src = r.kv
+        export_start_ns = None
         if src is not None and src.export_start_ns is not None:
-            # the transport copied the KV out when the request parked: the transfer started there
-            # (queued and started at once; the routing hop to the decode worker is inside it)
-            start = src.export_start_ns - self.workers[src.worker].clock_offset_ns
-            m.kv_transfer_queued_ns = m.kv_transfer_start_ns = start
-        m.kv_transfer_bytes = ev.num_bytes
-        m.decode_admitted_ns = None
+            export_start_ns = src.export_start_ns - self.workers[src.worker].clock_offset_ns
+        merge_transfer(r.metrics, ev, w.clock_offset_ns, export_start_ns)
         r.kv = None  # acknowledged: the prefill worker frees it, the decode worker holds it now
 
     def _on_failure(self, w: WorkerHandle, r: _Request, ev: FailureEvent) -> None:
@@ -617,29 +601,7 @@ class DisaggEngine:
 
     def _close(self, r: _Request, finished_ns: int | None) -> None:
         self._requests.pop(r.request_id, None)
-        m = r.metrics
-        m.finish_reason, m.error = r.finish_reason, r.error
-        m.num_output_tokens = len(r.output_token_ids)
-        if finished_ns is None:
-            self._awaiting_delivery[m.request_id] = m
-        else:
-            self._close_record(m, finished_ns)
-
-    def _close_record(self, m: RequestMetrics, finished_ns: int) -> None:
-        m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
-        if not self.recording:
-            return
-        self.metrics.observe_finished(m)
-        rm = self.router_metrics
-        if m.transfer_s is not None and m.kv_transfer_bytes is not None:
-            rm.transfer_bytes_total.inc(m.kv_transfer_bytes)
-            if m.transfer_s > 0:
-                rm.transfer_bandwidth.observe(m.kv_transfer_bytes / m.transfer_s)
-        if m.decode_admission_wait_s is not None:
-            rm.decode_admission_wait.observe(m.decode_admission_wait_s)
-        if m.first_token_sampled_ns is not None and m.kv_transfer_start_ns is not None:
-            rm.transfer_queue.observe((m.kv_transfer_start_ns - m.first_token_sampled_ns) / 1e9)
-        self.finished_requests.append(m)
+        self.recorder.finish(r.request_id, r.finish_reason, len(r.output_token_ids), finished_ns, error=r.error)
 
     # -- observation -----------------------------------------------------------------------------------------------
     def worker_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -727,65 +689,3 @@ class DisaggEngine:
         import ray
 
         ray.kill(self.workers[name].actor)
-
-
-class _QueuesView:
-    """The router seen as a scheduler by a server: queue lengths and KV usage over all workers."""
-
-    def __init__(self, engine: DisaggEngine) -> None:
-        self._engine = engine
-        self.kv_cache_manager = self  # block_pool below
-        self.block_pool = self
-
-    @property
-    def requests(self) -> dict[str, Any]:
-        return self._engine._requests
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests not decoding yet: queued or prefilling, or waiting for their KV transfer."""
-        return sum(1 for r in self._engine._requests.values() if r.phase == "prefill")
-
-    @property
-    def num_running(self) -> int:
-        return sum(1 for r in self._engine._requests.values() if r.phase == "decode")
-
-    @property
-    def num_used_blocks(self) -> int:
-        return sum(w.stats.num_blocks_used for w in self._engine.workers.values() if w.alive and w.stats)
-
-    @property
-    def usage(self) -> float:
-        stats = [w.stats for w in self._engine.workers.values() if w.alive and w.stats]
-        total = sum(s.num_blocks_total for s in stats)
-        return sum(s.num_blocks_used for s in stats) / total if total else 0.0
-
-
-# -- clocks ---------------------------------------------------------------------------------------------------
-def _shift_metrics(m: RequestMetrics, offset_ns: int) -> RequestMetrics:
-    """A worker's record in the router's clock (worker = router + offset)."""
-    if not offset_ns:
-        return m
-
-    def s(t: int | None) -> int | None:
-        return None if t is None else t - offset_ns
-
-    def chunks(cs: list[PrefillChunk]) -> list[PrefillChunk]:
-        return [dataclasses.replace(c, start_ns=c.start_ns - offset_ns, end_ns=c.end_ns - offset_ns) for c in cs]
-
-    return dataclasses.replace(
-        m, arrived_ns=m.arrived_ns - offset_ns, tokenized_ns=s(m.tokenized_ns), queued_ns=s(m.queued_ns),
-        first_scheduled_ns=s(m.first_scheduled_ns), prefill_chunks=chunks(m.prefill_chunks),
-        recompute_chunks=chunks(m.recompute_chunks), first_token_sampled_ns=s(m.first_token_sampled_ns),
-        kv_transfer_queued_ns=s(m.kv_transfer_queued_ns), kv_transfer_start_ns=s(m.kv_transfer_start_ns),
-        kv_transfer_end_ns=s(m.kv_transfer_end_ns), decode_admitted_ns=s(m.decode_admitted_ns),
-        token_sampled_ns=[t - offset_ns for t in m.token_sampled_ns],
-        token_sent_ns=[t - offset_ns for t in m.token_sent_ns],
-        preempted_ns=[t - offset_ns for t in m.preempted_ns], resumed_ns=[t - offset_ns for t in m.resumed_ns],
-        finished_ns=s(m.finished_ns))
-
-
-def _shift_iteration(rec: IterationRecord, offset_ns: int) -> IterationRecord:
-    if not offset_ns:
-        return rec
-    return dataclasses.replace(rec, start_ns=rec.start_ns - offset_ns, end_ns=rec.end_ns - offset_ns)
