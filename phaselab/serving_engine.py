@@ -28,9 +28,6 @@ if TYPE_CHECKING:
 class ServingEngine(Protocol):
     """What LLMEngine and DisaggEngine both are (a test checks both against it)."""
 
-    max_model_len: int
-    tokenizer: Any
-    model_config: Any
     stamp_sent: bool  # True: "sent" = handed to the caller; False: the front stamps deliveries itself
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -53,6 +50,15 @@ class ServingEngine(Protocol):
     def write_record(self, path: str) -> None: ...
 
     def shutdown(self) -> None: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    @property
+    def model_config(self) -> Any: ...
 
     # the phase record (kept only with keep_records)
     @property
