@@ -44,8 +44,8 @@ from phaselab.core.routing import RoutingPolicy, WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.disagg.config import DisaggConfig
-from phaselab.disagg.connector import KVSource, handshake
-from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics, merge_exposition
+from phaselab.disagg.connector import KVSource
+from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics
 from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
 from phaselab.disagg.protocol import (
     AdmittedEvent,
@@ -56,33 +56,15 @@ from phaselab.disagg.protocol import (
     TransferSpec,
     WorkerReport,
 )
-from phaselab.disagg.process import WorkerHandle, boot_id, checkpoint_to_wire, worker_env
-from phaselab.disagg.worker import DisaggWorker
+from phaselab.disagg.pool import describe_workers, ensure_ray, handshake_workers, start_workers
+from phaselab.disagg.process import WorkerHandle, boot_id, checkpoint_to_wire
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
-from phaselab.errors import ConfigError, InvalidRequestError
+from phaselab.errors import InvalidRequestError
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
 
 logger = logging.getLogger("phaselab.disagg")
 
-# Ray's core installs an absl failure-signal handler in the driver that logs a stack and re-raises
-# SIGTERM: a server then sees two SIGTERMs (drain, then abort) and may exit by SIGABRT. Read when
-# `ray` is imported, so set before the first import (ray is imported lazily below).
-os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-
-
-def ensure_ray(address: str | None, config: DisaggConfig) -> None:
-    """Join `address`, or start Ray locally (small object store, no dashboard) unless running."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a new instance of our own, never a cluster someone else started on this machine
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=config.object_store_memory,
-                 include_dashboard=False, log_to_driver=True)
 
 
 @dataclass
@@ -152,8 +134,6 @@ class DisaggEngine:
         # keep_records (a server without --record) closed records and iterations are only observed
         self.recorder = PhaseRecorder("router", "router", keep=keep_records,
                                       on_finished=lambda m: observe_router_record(self.metrics, self.router_metrics, m))
-        self._metrics_refs: dict[str, Any] = {}
-        self._metrics_refreshed_ns = 0
         self._requests: dict[str, _Request] = {}
         self._next_id = 0
         self._attempt_seq = 0
@@ -171,26 +151,9 @@ class DisaggEngine:
         ckpt_ref = None
         if checkpoint is not None:
             ckpt_ref = ray.put(checkpoint_to_wire(checkpoint))
-        cores = os.cpu_count() or 1
-        num_workers = args.prefill_workers + args.decode_workers
-        default_threads = max(1, cores // num_workers)
-        self.workers: dict[str, WorkerHandle] = {}
-        remote_cls = ray.remote(DisaggWorker)
-        for role, count, threads, overrides, resources in (
-            ("prefill", args.prefill_workers, args.prefill_threads, prefill_overrides, config.prefill_resources),
-            ("decode", args.decode_workers, args.decode_threads, decode_overrides, config.decode_resources),
-        ):
-            n = threads or default_threads
-            wargs = dataclasses.replace(args, mode="colocated", num_threads=n, **(overrides or {}))
-            for i in range(count):
-                name = f"{role}-{i}"
-                actor = remote_cls.options(
-                    num_cpus=config.worker_num_cpus, max_concurrency=16, max_restarts=0,
-                    resources=dict(resources) or None, runtime_env={"env_vars": worker_env(n)},
-                ).remote(name, role, wargs, config, ckpt_ref)
-                self.workers[name] = WorkerHandle(name, role, actor)
+        self.workers = start_workers(args, config, ckpt_ref, prefill_overrides, decode_overrides)
         try:
-            self._handshake_all()
+            handshake_workers(self.workers, config, self._boot_id)
         except BaseException:
             self.shutdown()
             raise
@@ -203,36 +166,6 @@ class DisaggEngine:
         model = infos[0].run_config.get("model", {})
         self.checkpoint_path, self.checkpoint_format = model.get("path"), model.get("format")
         self.started_ns = time.monotonic_ns()
-
-    # -- start-up: handshake, clocks, layouts --------------------------------------------------------------
-    def _handshake_all(self) -> None:
-        import ray
-
-        refs = {w.actor.handshake.remote(): w for w in self.workers.values()}
-        try:
-            infos = ray.get(list(refs), timeout=self.config.worker_start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ConfigError(f"disagg workers did not start within worker_start_timeout_s="
-                              f"{self.config.worker_start_timeout_s:g} s (model load); is the Ray cluster big enough "
-                              "(resources, memory)?") from None
-        except ray.exceptions.RayTaskError as e:  # the worker's __init__ raised: show its error
-            raise e.cause if isinstance(getattr(e, "cause", None), Exception) else e from None
-        for w, info in zip(refs.values(), infos):
-            w.info = info
-            # a second, short call measures the clock offset (round trip bounds its error)
-            t0 = time.monotonic_ns()
-            again = ray.get(w.actor.handshake.remote(), timeout=self.config.worker_timeout_s)
-            t1 = time.monotonic_ns()
-            if again.boot_id == self._boot_id:
-                w.clock_offset_ns, w.clock_error_ns = 0, 0  # one host, one boot: one monotonic clock
-            else:
-                w.clock_offset_ns = again.monotonic_ns - (t0 + t1) // 2
-                w.clock_error_ns = (t1 - t0) // 2
-        prefills = [w for w in self.workers.values() if w.role == "prefill"]
-        for d in (w for w in self.workers.values() if w.role == "decode"):
-            for p in prefills:
-                assert p.info is not None and d.info is not None
-                handshake(p.info.layout, d.info.layout, p.name, d.name)
 
     # -- LLMEngine's surface ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -365,32 +298,13 @@ class DisaggEngine:
                 self._worker_died(w, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
                 continue
             self._apply(w, report)
-        self._refresh_worker_metrics()
+        self.metrics.refresh(self.workers.values())  # worker texts for /metrics, without blocking
         now = time.monotonic_ns()
         for w in self.workers.values():  # a worker that stays silent is as good as dead
             if w.alive and w.poll_ref is not None and now - w.poll_issued_ns > (
                     cfg.poll_interval_s + cfg.worker_timeout_s) * 1e9:
                 ray.kill(w.actor)
                 self._worker_died(w, f"no answer for {cfg.worker_timeout_s:g} s (worker_timeout_s)")
-
-    def _refresh_worker_metrics(self, every_s: float = 1.0) -> None:
-        """Keep each live worker's Prometheus text fresh (for metrics.render) without blocking."""
-        import ray
-
-        for name, ref in list(self._metrics_refs.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                del self._metrics_refs[name]
-                try:
-                    self.metrics.worker_texts[name] = ray.get(ref)
-                except Exception:  # noqa: BLE001 - a dead worker is noticed by its poll
-                    self.metrics.worker_texts.pop(name, None)
-        now = time.monotonic_ns()
-        if now - self._metrics_refreshed_ns > every_s * 1e9:
-            self._metrics_refreshed_ns = now
-            for w in self.workers.values():
-                if w.alive and w.name not in self._metrics_refs:
-                    self._metrics_refs[w.name] = w.actor.metrics_text.remote()
 
     def _apply(self, w: WorkerHandle, report: WorkerReport) -> None:
         w.stats = report.stats
@@ -620,34 +534,11 @@ class DisaggEngine:
 
     def render_metrics(self, timeout_s: float = 10.0) -> bytes:
         """One Prometheus text: the router's registries and every live worker's (fetched now), merged."""
-        import ray
-
-        texts = [self.metrics.engine_metrics.render(), self.router_metrics.render()]
-        alive = [w for w in self.workers.values() if w.alive]
-        refs = [w.actor.metrics_text.remote() for w in alive]
-        for w, ref in zip(alive, refs):
-            try:
-                texts.append(ray.get(ref, timeout=timeout_s))
-                self.metrics.worker_texts[w.name] = texts[-1]
-            except Exception as e:  # noqa: BLE001 - a worker that dies now is reported by the next step
-                logger.debug("metrics of %s: %r", w.name, e)
-        return merge_exposition(texts)
+        return self.metrics.render_now(self.workers.values(), timeout_s)
 
     def run_config(self) -> dict[str, Any]:
         import phaselab
 
-        workers = {}
-        for w in self.workers.values():
-            info = w.info
-            workers[w.name] = {
-                "role": w.role, "alive": w.alive, "death": w.death,
-                "node_id": info.node_id if info else None, "hostname": info.hostname if info else None,
-                "pid": info.pid if info else None,
-                "clock_offset_ns": w.clock_offset_ns, "clock_offset_error_ns": w.clock_error_ns,
-                "last_stats": ({**dataclasses.asdict(w.stats), "busy_fraction": w.stats.busy_fraction}
-                               if w.stats is not None else None),
-                "engine": info.run_config if info else None,
-            }
         return {
             "mode": "disagg",
             "worker": "router",
@@ -656,7 +547,7 @@ class DisaggEngine:
             "disagg": dataclasses.asdict(self.config),
             "kv_layout": dataclasses.asdict(self.layout),
             "routing": {"prefill": type(self.prefill_policy).__name__, "decode": type(self.decode_policy).__name__},
-            "workers": workers,
+            "workers": describe_workers(self.workers),
             "versions": {"phaselab": phaselab.__version__, "python": platform.python_version()},
             "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         }
