@@ -4,10 +4,12 @@
     step():  plan = scheduler.schedule()          # pure Python, core/
              result = executor.execute(plan)      # torch runner (or a cost model, or a remote worker)
              deltas = scheduler.update(plan, result)
-             outputs = self._process(...)         # detokenize, stop strings, phase timestamps
+             outputs = self._process(...)         # phase stamps (recorder), detokenize, stop strings
 
-Requests join and leave between steps (continuous batching). The engine owns the clock: it
-stamps the phase timestamps of core/timing.py around each step; core never reads a clock.
+Requests join and leave between steps (continuous batching). The engine owns the clock: it reads
+`time.monotonic_ns()` around each step and hands the times to its PhaseRecorder (core/recorder.py),
+the same recorder the disaggregated router and the simulator drive; core never reads a clock.
+Construction is two steps: `resolve()` (engine/resolve.py: pure sizing) and the model build.
 """
 
 from __future__ import annotations
