@@ -9,6 +9,7 @@ ran it. The recorder never reads a clock: every stamp is passed in by the loop (
          │              chunks, tokens sampled)  ─▶  stamp_sent(record, sent)  (delivery)
          │          ─▶  finish(id, reason, finished_ns)  ─┬─ finished_ns given: close now
          │                                                └─ None: await mark_delivered(id, sent)
+         ├─ admit(record, request, admitted): decode admission of a request prefilled elsewhere
          └─ drop(id): forgotten without a record (a parked request whose KV left, or a resumed copy)
     iteration(plan, ...) ─▶ IterationRecord;  add_iteration(rec): one built elsewhere (a worker's)
 
@@ -75,6 +76,18 @@ class PhaseRecorder:
         """A record begun elsewhere (e.g. a decode worker's, pre-stamped with its KV transfer)."""
         self._open[m.request_id] = _Open(m, request)
         return m
+
+    def admit(self, m: RequestMetrics, request: HasCachedTokens | None, admitted_ns: int) -> RequestMetrics:
+        """A request whose prefill ran elsewhere is admitted for decode (disaggregated serving):
+        decode admitted now; its first schedule and first token happened no later (a decode
+        worker's own record has neither: they are set to now, so its first step is neither queue
+        nor prefill, and a preemption's recomputation counts as such)."""
+        m.decode_admitted_ns = admitted_ns
+        if m.first_scheduled_ns is None:
+            m.first_scheduled_ns = admitted_ns
+        if m.first_token_sampled_ns is None:
+            m.first_token_sampled_ns = admitted_ns
+        return self.adopt(m, request)
 
     def get(self, request_id: str) -> RequestMetrics | None:
         entry = self._open.get(request_id)

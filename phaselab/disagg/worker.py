@@ -458,11 +458,9 @@ class DisaggWorker:
                     continue
                 if spec.sampler_state is not None:
                     self._restore_sampler_state(rid, spec.sampler_state)
-                # decode-local placeholders: the router takes only the decode phases from this record
-                m.decode_admitted_ns = m.first_scheduled_ns = m.first_token_sampled_ns = now
                 self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
                 self.counters["admitted"] += 1
-                self._emit(AdmittedEvent(rid, self.name, now, spec.attempt))
+                self._emit(AdmittedEvent(rid, self.name, m.decode_admitted_ns or now, spec.attempt))
             self._unstage()
 
     def _sampler_state(self, rid: str) -> bytes | None:

@@ -203,12 +203,14 @@ class LLMEngine:
         params: SamplingParams,
         kv: torch.Tensor,
         metrics: RequestMetrics,
+        admitted_ns: int | None = None,
     ) -> bool:
         """Admit a request whose K/V (of prompt + outputs but the last) come from a prefill
         worker: allocate its blocks, write `kv` (shaped like ModelRunner.read_blocks' result) into
         them, and continue decoding it from the next step. False, changing nothing, when it cannot
         be admitted now (no free blocks or seat: backpressure, retry later). Between steps only.
-        `metrics` becomes this engine's record of the request (the caller pre-stamps it)."""
+        `metrics` becomes this engine's record of the request (the caller stamps its KV transfer),
+        decode admitted at `admitted_ns` (default: now)."""
         assert isinstance(self.executor, ModelRunner), "add_prefilled_request needs the local torch runner"
         self.validate_prompt(prompt_token_ids)
         request = Request(
@@ -225,7 +227,7 @@ class LLMEngine:
         self.executor.write_blocks(block_ids, kv)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         detok.update(list(output_token_ids))
-        self.recorder.adopt(metrics, request)
+        self.recorder.admit(metrics, request, admitted_ns or time.monotonic_ns())
         self._tracked[request_id] = _Tracked(
             request, None, detok, metrics, [] if params.logprobs is not None else None)
         return True

@@ -286,8 +286,7 @@ class Simulator:
             w.staged.popleft()
             t = self.tracks[request.request_id]
             t.request = request
-            self.recorder.adopt(t.metrics, request)
-            t.metrics.decode_admitted_ns = now
+            self.recorder.admit(t.metrics, request, now)
             if not t.first_sent:
                 self._send_first(t, now + self.delivery_ns)
         if not sched.has_schedulable_requests():
