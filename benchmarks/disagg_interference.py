@@ -84,13 +84,11 @@ def drive(engine: Any, arrivals: list[Arrival]) -> float:
         now = time.monotonic_ns()
         while pending and t0 + int(pending[0].at_s * 1e9) <= now:
             a = pending.pop(0)
-            engine.add_request(a.prompt, a.params, request_id=a.request_id, arrived_ns=t0 + int(a.at_s * 1e9))
             # token ids need no tokenizing; an engine cannot take a request mid-iteration, so the
             # wait for the running step to end is queueing (a server's front would queue it too)
-            m = engine.tracked(a.request_id).metrics
-            m.tokenized_ns = m.arrived_ns
-            if isinstance(engine, LLMEngine):
-                m.queued_ns = m.arrived_ns
+            arrived = t0 + int(a.at_s * 1e9)
+            engine.add_request(a.prompt, a.params, request_id=a.request_id, arrived_ns=arrived,
+                               tokenized_ns=arrived, queued_ns=arrived)
         if engine.has_unfinished_requests():
             engine.step()
         elif pending:

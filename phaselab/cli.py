@@ -12,6 +12,7 @@ import dataclasses
 import os
 import sys
 import time
+from typing import Any
 
 from phaselab.config import EngineArgs
 
@@ -127,69 +128,31 @@ def _prompt_ids(tok, ns: argparse.Namespace) -> list[int]:  # type: ignore[no-un
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    """`generate`: one prompt through an engine of either mode (make_engine), streamed to stdout."""
     _set_threads(ns)
     from phaselab.config import runtime_settings
-    from phaselab.engine.engine import LLMEngine
+    from phaselab.serving_engine import make_engine
 
     t0 = time.monotonic()
     if ns.mode == "disagg":
-        return _generate_disagg(ns, t0)
-    print("loading the model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(_engine_args(ns))
-    cfg = engine.model_config
-    print(
-        f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}) in "
-        f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
-        file=sys.stderr, flush=True,
-    )
-    prompt_ids = _prompt_ids(engine.tokenizer, ns)
-    rid = engine.add_request(prompt_ids, _sampling_params(ns))
-    detok = engine.tracked(rid).detok  # type: ignore[union-attr]
-    last = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(detok.get_next_output_text(finished=out.finished, delta=True))
-            sys.stdout.flush()
-            last = out
-    sys.stdout.write("\n")
-    if ns.record:
-        engine.write_record(ns.record)
-        print(f"run directory written to {ns.record} (open trace.json in https://ui.perfetto.dev)", file=sys.stderr)
-    if last is not None:
-        m = last.metrics
-        n = len(last.token_ids)
-        ttft = m.ttft_s or 0.0
-        tpot = m.tpot_s
-        print(
-            f"[{n} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} tokens; "
-            f"TTFT {ttft * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
-            + (f"; TPOT {tpot * 1e3:.1f} ms ({1 / tpot:.1f} tok/s)" if tpot else "") + "]",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _sampling_params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from phaselab.core.sampling_params import SamplingParams
-
-    return SamplingParams(
-        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.sampling_seed,
-        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
-    )
-
-
-def _generate_disagg(ns: argparse.Namespace, t0: float) -> int:
-    """`generate --mode disagg`: the same prompt through prefill and decode workers on Ray."""
-    from phaselab.disagg.router import DisaggEngine
-
-    print(f"starting {ns.prefill_workers} prefill + {ns.decode_workers} decode workers on Ray ...",
-          file=sys.stderr, flush=True)
-    engine = DisaggEngine(_engine_args(ns))
-    try:
-        workers = ", ".join(f"{w.name} ({w.info.run_config['machine']['torch_num_threads']} threads)"
-                            for w in engine.workers.values() if w.info is not None)
-        print(f"workers ready in {time.monotonic() - t0:.1f}s: {workers}; KV transport {ns.kv_transport}",
+        print(f"starting {ns.prefill_workers} prefill + {ns.decode_workers} decode workers on Ray ...",
               file=sys.stderr, flush=True)
+    else:
+        print("loading the model ...", file=sys.stderr, flush=True)
+    engine: Any = make_engine(_engine_args(ns))
+    try:
+        if ns.mode == "disagg":
+            workers = ", ".join(f"{w.name} ({w.info.run_config['machine']['torch_num_threads']} threads)"
+                                for w in engine.workers.values() if w.info is not None)
+            print(f"workers ready in {time.monotonic() - t0:.1f}s: {workers}; KV transport {ns.kv_transport}",
+                  file=sys.stderr, flush=True)
+        else:
+            cfg = engine.model_config
+            print(
+                f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}) in "
+                f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
+                file=sys.stderr, flush=True,
+            )
         prompt_ids = _prompt_ids(engine.tokenizer, ns)
         engine.add_request(prompt_ids, _sampling_params(ns))
         last, printed = None, 0
@@ -208,14 +171,27 @@ def _generate_disagg(ns: argparse.Namespace, t0: float) -> int:
             if last.finish_reason == "error":
                 print(f"phaselab: error: {last.outputs[0].error}", file=sys.stderr)
                 return 1
+            tpot = m.tpot_s
             transfer = (f"; KV {m.kv_transfer_bytes / 2**20:.1f} MiB moved in {m.transfer_s * 1e3:.1f} ms "
                         f"({m.worker} -> {m.decode_worker})" if m.transfer_s else "")
-            print(f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} "
-                  f"tokens; TTFT {(m.ttft_s or 0) * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
-                  f"{transfer}]", file=sys.stderr)
+            print(
+                f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} "
+                f"tokens; TTFT {(m.ttft_s or 0) * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
+                + (f"; TPOT {tpot * 1e3:.1f} ms ({1 / tpot:.1f} tok/s)" if tpot else "") + f"{transfer}]",
+                file=sys.stderr,
+            )
         return 0
     finally:
         engine.shutdown()
+
+
+def _sampling_params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from phaselab.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.sampling_seed,
+        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:

@@ -23,7 +23,6 @@ run directories only.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import sys
@@ -99,7 +98,7 @@ def sweep_arrivals(input_lens: Sequence[int], output_len: int = 4, seed: int = 1
 def drive(engine: Any, arrivals: Sequence[Arrival], on_progress: Callable[[int, int], None] | None = None,
           poll_s: float = 0.01) -> None:
     """Run `arrivals` on an engine (LLMEngine or DisaggEngine: add_request / step /
-    has_unfinished_requests / tracked) to completion, greedy, ignoring EOS."""
+    has_unfinished_requests: the ServingEngine surface) to completion, greedy, ignoring EOS."""
     from phaselab.core.sampling_params import SamplingParams
 
     t0 = time.monotonic_ns()
@@ -125,13 +124,10 @@ def drive(engine: Any, arrivals: Sequence[Arrival], on_progress: Callable[[int, 
             pending.remove(a)
             arrived = t0 + int(a.at_s * 1e9) if a.at_s is not None else now
             params = SamplingParams(temperature=0.0, max_tokens=a.max_tokens, ignore_eos=True)
-            rid = engine.add_request(list(a.prompt), params, request_id=a.request_id, arrived_ns=arrived)
-            tracked = engine.tracked(rid)
-            m = getattr(tracked, "metrics", None)
-            if m is not None:  # token-id prompts: tokenized before arrival; queued from the moment it arrived
-                m.tokenized_ns = arrived
-                if getattr(engine, "role", None) != "router":
-                    m.queued_ns = arrived
+            # token-id prompts: tokenized before arrival; queued from the moment it arrived (the wait
+            # for the step in progress is queueing, as in a server's engine thread)
+            rid = engine.add_request(list(a.prompt), params, request_id=a.request_id, arrived_ns=arrived,
+                                     tokenized_ns=arrived, queued_ns=arrived)
             groups.setdefault(a.group, []).append(rid)
         if engine.has_unfinished_requests():
             for out in engine.step():
@@ -313,16 +309,9 @@ def _engine_args(plan: Plan, cfg: RunConfig) -> Any:
 
 
 def _build_engine(plan: Plan, cfg: RunConfig, checkpoint: Any) -> Any:
-    args = _engine_args(plan, cfg)
-    if cfg.mode == "disagg":
-        from phaselab.disagg.router import DisaggEngine
+    from phaselab.serving_engine import make_engine
 
-        if "checkpoint" in inspect.signature(DisaggEngine.__init__).parameters:
-            return DisaggEngine(args, checkpoint=checkpoint)
-        return DisaggEngine(args)
-    from phaselab.engine.engine import LLMEngine
-
-    return LLMEngine(args, checkpoint=checkpoint)
+    return make_engine(_engine_args(plan, cfg), checkpoint=checkpoint)
 
 
 def run_configuration(plan: Plan, cfg: RunConfig, checkpoint: Any, out_dir: Path,
@@ -345,8 +334,7 @@ def run_configuration(plan: Plan, cfg: RunConfig, checkpoint: Any, out_dir: Path
             write_diagnosis(diag, path)
             res.runs[name], res.diagnoses[name] = path, diag
     finally:
-        if hasattr(engine, "shutdown"):
-            engine.shutdown()
+        engine.shutdown()
         del engine
     res.wall_s = time.monotonic() - t0
     progress.done()
