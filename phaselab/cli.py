@@ -110,10 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     # the simulator drives core's scheduler on a virtual clock
     from phaselab.analysis.cli import add_analysis_parsers
     from phaselab.bench.cli import add_bench_parser
+    from phaselab.experiments.cli import add_compare_parser
     from phaselab.sim.cli import add_simulate_parser
 
     add_bench_parser(sub)
     add_analysis_parsers(sub)
+    add_compare_parser(sub)
     add_simulate_parser(sub)
     return parser
 
@@ -250,10 +252,14 @@ def main(argv: list[str] | None = None) -> int:
             from phaselab.bench.cli import run_bench
 
             return run_bench(ns)
-        if ns.command in ("diagnose", "timeline", "compare"):
+        if ns.command in ("diagnose", "timeline"):
             from phaselab.analysis.cli import run_analysis
 
             return run_analysis(ns)
+        if ns.command == "compare":
+            from phaselab.experiments.cli import run_compare_cli
+
+            return run_compare_cli(ns)
         if ns.command == "simulate":
             from phaselab.sim.cli import run_simulate
 

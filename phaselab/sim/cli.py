@@ -13,7 +13,6 @@ Wired into `phaselab` by cli.py: `add_simulate_parser(sub)` and `run_simulate(ns
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -139,7 +138,7 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    w = p.add_argument_group("workload (phaselab bench's generators and seeds)")
+    w = p.add_argument_group("workload (the same generators and seeds as the bench's: phaselab/workload)")
     w.add_argument("--workload", default="random", choices=["random", "shared-prefix", "interference", "trace"])
     w.add_argument("--num-prompts", type=int, default=1000)
     w.add_argument("--input-len", default="512",
@@ -199,16 +198,15 @@ def build_deployment(ns: argparse.Namespace) -> Any:
 
 
 def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, Any]]:
-    from phaselab.bench.workloads import InterferenceParams
-    from phaselab.sim.workload import (
-        ArrivalSpec, interference_requests, random_requests, shared_prefix_requests, trace_requests,
-    )
+    from phaselab.sim.workload import interference_requests, random_requests, shared_prefix_requests, trace_requests
+    from phaselab.workload.arrivals import ArrivalPlan
+    from phaselab.workload.interference import InterferenceParams
 
     self_timed = ns.workload in ("interference", "trace")
     if self_timed and (ns.concurrency is not None or not math.isinf(ns.request_rate)):
         raise ConfigError(f"the {ns.workload} workload carries its own arrival times; "
                           "drop --request-rate/--concurrency")
-    arrivals = ArrivalSpec(request_rate=ns.request_rate, burstiness=ns.burstiness, concurrency=ns.concurrency,
+    arrivals = ArrivalPlan(request_rate=ns.request_rate, burstiness=ns.burstiness, concurrency=ns.concurrency,
                            self_timed=self_timed)
     info: dict[str, Any] = {"kind": ns.workload, "seed": ns.seed}
     if ns.tokenizer:
@@ -224,7 +222,7 @@ def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, An
         params = InterferenceParams(ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts,
                                     ns.long_input_len, ns.long_output_len, ns.long_start, ns.long_interval)
         reqs = interference_requests(params)
-        info |= {"params": dataclasses.asdict(params)}
+        info |= {"params": params.to_json()}
     else:
         if not ns.trace:
             raise ConfigError("--workload trace needs --trace FILE")
@@ -236,23 +234,19 @@ def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, An
 def exact_workload(ns: argparse.Namespace, arrivals: Any) -> list[Any]:
     """The bench's own requests for these options and seed (its build_workload, its prompt builder),
     tokenized as its endpoint counts them, with its arrival times."""
-    import numpy as np
-
-    from phaselab.bench.arrivals import arrival_offsets
-    from phaselab.bench.cli import build_workload as bench_workload
-    from phaselab.bench.workloads import PromptBuilder, load_bench_tokenizer
     from phaselab.sim.workload import from_bench_specs
+    from phaselab.workload.arrivals import arrival_offsets, workload_seeds
+    from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer
 
     builder = PromptBuilder(load_bench_tokenizer(None if ns.tokenizer == "bundled" else ns.tokenizer), ns.endpoint)
-    seeds = np.random.SeedSequence(ns.seed).spawn(2)  # as phaselab bench: [0] workload, [1] arrivals
+    rng_workload, rng_arrivals = workload_seeds(ns.seed)  # as the bench splits them
     bench_ns = argparse.Namespace(**{**vars(ns), "num_warmups": 0})
-    specs, _ = bench_workload(bench_ns, builder, np.random.default_rng(seeds[0]))
+    specs, _ = build_specs(bench_ns, builder, rng_workload)
     ids = [builder.ids(spec.prompt) for spec in specs]
     if arrivals.self_timed:
         offsets = [(spec.arrival_s or 0.0) * ns.time_scale for spec in specs]
     elif arrivals.concurrency is None:
-        offsets = arrival_offsets(len(specs), arrivals.request_rate, arrivals.burstiness,
-                                  np.random.default_rng(np.random.SeedSequence(ns.seed).spawn(2)[1]))
+        offsets = arrival_offsets(len(specs), arrivals.request_rate, arrivals.burstiness, rng_arrivals)
     else:
         offsets = None
     return from_bench_specs(specs, ids, offsets)
