@@ -101,11 +101,10 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's context "
                 f"({config.max_position_embeddings} positions); lower --max-model-len"
             )
-        budget = args.max_num_batched_tokens or (2048 if args.policy == "chunked" else max_model_len)
         self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(
+        self.scheduler_config = SchedulerConfig.resolve(
             policy=args.policy,
-            max_num_batched_tokens=budget,
+            max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len,
             long_prefill_token_threshold=args.long_prefill_token_threshold,

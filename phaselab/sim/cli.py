@@ -19,10 +19,17 @@ import os
 import sys
 from typing import Any
 
+from phaselab.cliargs import add_fields, field_values
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, ModelSpec, get_hardware, get_model, model_from_hf_config
+from phaselab.sim.deployment import Deployment, RoleConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
+MODEL_FIELDS = ("gpu_memory_utilization", "max_model_len")  # Deployment fields among the model options
+ROLE_FIELDS = ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+               "max_num_partial_prefills", "num_blocks")
+DEPLOYMENT_FIELDS = ("block_size", "enable_prefix_caching", "tp_link", "transfer_link", "transfer_mode",
+                     "first_token_from", "routing_policy")
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -106,35 +113,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--params", default=None, help="cost parameters JSON (from `simulate calibrate`)")
     m.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
                    help="weights and KV (default: %(default)s)")
-    m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    m.add_argument("--max-model-len", type=int, default=None)
+    add_fields(m, Deployment, MODEL_FIELDS)
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
-    d = p.add_argument_group("deployment")
-    d.add_argument("--mode", default="colocated", choices=["colocated", "disagg"])
-    d.add_argument("--replicas", type=int, default=1, help="colocated engines (default: %(default)s)")
-    d.add_argument("--tp", type=int, default=1, help="colocated: GPUs per engine (default: %(default)s)")
-    d.add_argument("--prefill-workers", type=int, default=1)
-    d.add_argument("--decode-workers", type=int, default=1)
-    d.add_argument("--tp-prefill", type=int, default=1)
-    d.add_argument("--tp-decode", type=int, default=1)
-    d.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"],
-                   help="colocated and prefill engines (default: %(default)s)")
-    d.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per iteration")
-    d.add_argument("--max-num-seqs", type=int, default=256)
-    d.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    d.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: from memory)")
-    d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--no-prefix-caching", action="store_true")
-    d.add_argument("--tp-link", default=None, help=f"{', '.join(LINKS)} (default: the hardware's)")
-    d.add_argument("--transfer-link", default=None, help="disagg KV transfer link (default: the TP link)")
-    d.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
-    d.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"],
-                   help="disagg: the prefill side streams the first token (phaselab's router), or the decode "
-                        "side once the KV arrived (default: %(default)s)")
-    d.add_argument("--routing-policy", default="least-outstanding", choices=["least-outstanding", "round-robin"])
+    # every flag generated from Deployment's and RoleConfig's fields (phaselab/cliargs.py)
+    d = p.add_argument_group("deployment", "the scheduler options apply to the colocated and prefill engines; "
+                                           "decode engines take --max-num-seqs and --num-blocks")
+    add_fields(d, Deployment, ["mode", "num_replicas"])
+    add_fields(d, RoleConfig, ["tp"], help_suffix=", colocated")
+    add_fields(d, Deployment, ["num_prefill", "num_decode"])
+    add_fields(d, RoleConfig, ["tp"], flag_suffix="-prefill", dest_suffix="_prefill", help_suffix=", disagg prefill")
+    add_fields(d, RoleConfig, ["tp"], flag_suffix="-decode", dest_suffix="_decode", help_suffix=", disagg decode")
+    add_fields(d, RoleConfig, ROLE_FIELDS)
+    add_fields(d, Deployment, DEPLOYMENT_FIELDS)
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -181,20 +174,16 @@ def resolve_model(name: str) -> ModelSpec:
 
 def build_deployment(ns: argparse.Namespace) -> Any:
     from phaselab.sim.cost import CostParams
-    from phaselab.sim.deployment import Deployment, RoleConfig
 
     params = CostParams.load(ns.params) if ns.params else None
-    common = dict(policy=ns.policy, max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-                  long_prefill_token_threshold=ns.long_prefill_token_threshold, num_blocks=ns.num_blocks)
+    role = field_values(ns, RoleConfig, ROLE_FIELDS)
+    decode = {k: role[k] for k in ("max_num_seqs", "num_blocks")}
     return Deployment(
-        resolve_model(ns.model), get_hardware(ns.hardware), ns.mode, num_replicas=ns.replicas,
-        num_prefill=ns.prefill_workers, num_decode=ns.decode_workers,
-        colocated=RoleConfig(tp=ns.tp, **common), prefill=RoleConfig(tp=ns.tp_prefill, **common),
-        decode=RoleConfig(tp=ns.tp_decode, max_num_seqs=ns.max_num_seqs, num_blocks=ns.num_blocks),
-        dtype_bytes=DTYPE_BYTES[ns.dtype], block_size=ns.block_size, enable_prefix_caching=not ns.no_prefix_caching,
-        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization, tp_link=ns.tp_link,
-        transfer_link=ns.transfer_link, transfer_mode=ns.transfer_mode, first_token_from=ns.first_token_from,
-        routing_policy=ns.routing_policy, params=params)
+        resolve_model(ns.model), get_hardware(ns.hardware), ns.mode, num_replicas=ns.num_replicas,
+        num_prefill=ns.num_prefill, num_decode=ns.num_decode,
+        colocated=RoleConfig(tp=ns.tp, **role), prefill=RoleConfig(tp=ns.tp_prefill, **role),
+        decode=RoleConfig(tp=ns.tp_decode, **decode), dtype_bytes=DTYPE_BYTES[ns.dtype], params=params,
+        **field_values(ns, Deployment, MODEL_FIELDS + DEPLOYMENT_FIELDS))
 
 
 def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, Any]]:
