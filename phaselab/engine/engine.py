@@ -147,7 +147,7 @@ class LLMEngine:
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
             config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, num_blocks,
-            args.block_size, max_model_len, args.policy, budget, runtime_settings(),
+            args.block_size, max_model_len, args.policy, self.scheduler_config.max_num_batched_tokens, runtime_settings(),
         )
 
     # -- requests --------------------------------------------------------------------------------
