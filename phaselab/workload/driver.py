@@ -56,7 +56,7 @@ class Driven:
 
 
 def random_prompt(rng: np.random.Generator, n: int) -> list[int]:
-    return rng.integers(*PROMPT_TOKEN_RANGE, size=n).tolist()
+    return [int(t) for t in rng.integers(*PROMPT_TOKEN_RANGE, size=n)]
 
 
 def interference_arrivals(p: InterferenceParams, seed: int = 0) -> list[Arrival]:
