@@ -8,12 +8,12 @@ process shares the cores (one decode step: 2.4 s spinning vs 0.14 s PASSIVE, mea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 from typing import Any
 
+from phaselab.cliargs import add_fields, field_values
 from phaselab.config import EngineArgs
 
 SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer takes longer than the next ones."
@@ -21,33 +21,13 @@ SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer t
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "") + f" (default: {f.default})"
-        if f.type in ("bool", bool):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.name in ("max_model_len", "max_num_batched_tokens", "num_threads", "max_num_seqs", "block_size",
-                        "long_prefill_token_threshold", "max_num_partial_prefills", "seed",
-                        "prefill_workers", "decode_workers", "prefill_threads", "decode_threads"):
-            g.add_argument(flag, type=int, default=f.default, help=help_text)
-        elif f.name == "mode":
-            g.add_argument(flag, choices=["colocated", "disagg"], default=f.default, help=help_text)
-        elif f.name == "kv_transport":
-            g.add_argument(flag, choices=["ray-object-store", "ray-actor"], default=f.default, help=help_text)
-        elif f.name == "routing_policy":
-            g.add_argument(flag, choices=["least-outstanding", "round-robin"], default=f.default, help=help_text)
-        elif f.name == "policy":
-            g.add_argument(flag, choices=["chunked", "prefill-first"], default=f.default, help=help_text)
-        elif f.name == "dtype":
-            g.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=f.default, help=help_text)
-        else:
-            g.add_argument(flag, default=f.default, help=help_text)
+    add_fields(g, EngineArgs)  # types, defaults, choices and help from EngineArgs' fields
     g.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
                    help="OpenMP wait policy of this process (default: PASSIVE; 'default' leaves OpenMP's own)")
 
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    return EngineArgs(**field_values(ns, EngineArgs))
 
 
 def _set_threads(ns: argparse.Namespace) -> None:
@@ -111,10 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     # the simulator drives core's scheduler on a virtual clock
     from phaselab.analysis.cli import add_analysis_parsers
     from phaselab.bench.cli import add_bench_parser
+    from phaselab.experiments.cli import add_compare_parser
     from phaselab.sim.cli import add_simulate_parser
 
     add_bench_parser(sub)
     add_analysis_parsers(sub)
+    add_compare_parser(sub)
     add_simulate_parser(sub)
     return parser
 
@@ -226,10 +208,14 @@ def main(argv: list[str] | None = None) -> int:
             from phaselab.bench.cli import run_bench
 
             return run_bench(ns)
-        if ns.command in ("diagnose", "timeline", "compare"):
+        if ns.command in ("diagnose", "timeline"):
             from phaselab.analysis.cli import run_analysis
 
             return run_analysis(ns)
+        if ns.command == "compare":
+            from phaselab.experiments.cli import run_compare_cli
+
+            return run_compare_cli(ns)
         if ns.command == "simulate":
             from phaselab.sim.cli import run_simulate
 

@@ -91,7 +91,6 @@ class LLMEngine:
         resolved = resolve(args, config, torch.finfo(self.dtype).bits // 8)
         self.cache_config, self.scheduler_config = resolved.cache, resolved.scheduler
         num_blocks, max_model_len = resolved.cache.num_blocks, resolved.max_model_len
-        budget = resolved.scheduler.max_num_batched_tokens
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
 
         model = self._build_model(ckpt, max_model_len)
@@ -117,7 +116,7 @@ class LLMEngine:
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
             config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, num_blocks,
-            args.block_size, max_model_len, args.policy, budget, runtime_settings(),
+            args.block_size, max_model_len, args.policy, self.scheduler_config.max_num_batched_tokens, runtime_settings(),
         )
 
     # -- requests --------------------------------------------------------------------------------

@@ -60,10 +60,9 @@ def resolve(args: EngineArgs, model_config: SizedModel, dtype_bytes: int) -> Res
             f"max_model_len={max_model_len} exceeds the model's context "
             f"({model_config.max_position_embeddings} positions); lower --max-model-len"
         )
-    budget = args.max_num_batched_tokens or (2048 if args.policy == "chunked" else max_model_len)
-    scheduler = SchedulerConfig(
+    scheduler = SchedulerConfig.resolve(
         policy=args.policy,
-        max_num_batched_tokens=budget,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold,

@@ -53,7 +53,8 @@ from phaselab.sim.cost import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
 from phaselab.sim.transfer import Flow, Network
-from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, ArrivalSpec, SimRequest
+from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, SimRequest
+from phaselab.workload.arrivals import ArrivalPlan
 
 NS = 1_000_000_000
 # The virtual clock starts here, not at 0, so no timestamp is ever falsy.
@@ -143,13 +144,13 @@ CostModelFactory = Callable[[str, str, RoleConfig], CostModel]
 
 
 class Simulator:
-    def __init__(self, deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalSpec | None = None,
+    def __init__(self, deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalPlan | None = None,
                  cost_model_factory: CostModelFactory | None = None, record_iterations: bool = True,
                  workload_info: dict[str, Any] | None = None, check_invariants: bool = False) -> None:
         self.d = deployment
         self.check_invariants = check_invariants  # tests: the scheduler's invariants after every step
         self.specs = list(requests)
-        self.arrivals = arrivals or ArrivalSpec(self_timed=True)
+        self.arrivals = arrivals or ArrivalPlan(self_timed=True)
         self.record_iterations = record_iterations
         self.workload_info = workload_info or {}
         self.events = EventQueue(EPOCH_NS)
@@ -495,7 +496,7 @@ def _describe_cost_model(cm: Any) -> dict[str, Any]:
     return describe() if callable(describe) else {"kind": type(cm).__name__}
 
 
-def simulate(deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalSpec | None = None,
+def simulate(deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalPlan | None = None,
              **options: Any) -> SimResult:
     return Simulator(deployment, requests, arrivals, **options).run()
 

@@ -34,8 +34,9 @@ from phaselab.sim.cost import CostParams
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.report import percentile, slo_attainment
-from phaselab.sim.workload import ArrivalSpec, SimRequest, random_requests
+from phaselab.sim.workload import SimRequest, random_requests
 from phaselab.spec.config import ModelConfig
+from phaselab.workload.arrivals import ArrivalPlan
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ WorkloadAt = Callable[[float], list[SimRequest]]
 def random_workload_at(num_prompts: int, input_len: str, output_len: str, seed: int = 0,
                        burstiness: float = 1.0) -> WorkloadAt:
     return lambda rate: random_requests(num_prompts, input_len, output_len, seed,
-                                        ArrivalSpec(request_rate=rate, burstiness=burstiness))
+                                        ArrivalPlan(request_rate=rate, burstiness=burstiness))
 
 
 def max_rate(deployment: Deployment, workload_at: WorkloadAt, slo: SLO, start_rate: float = 1.0,
@@ -167,7 +168,7 @@ def max_rate(deployment: Deployment, workload_at: WorkloadAt, slo: SLO, start_ra
 
     def passes(rate: float) -> tuple[bool, float]:
         cand.num_simulations += 1
-        result = simulate(deployment, workload_at(rate), ArrivalSpec(self_timed=True), record_iterations=False)
+        result = simulate(deployment, workload_at(rate), ArrivalPlan(self_timed=True), record_iterations=False)
         return slo.check(result.requests)
 
     lo, hi = 0.0, start_rate
