@@ -7,9 +7,9 @@ import pytest
 
 from phaselab.errors import ConfigError, UnsupportedModelError
 from phaselab.sim.catalog import (
-from phaselab.spec.config import ModelConfig
     HARDWARE, LINKS, MODELS, get_hardware, get_link, get_model, model_from_hf_config, source_of,
 )
+from phaselab.spec.config import ModelConfig
 
 GiB, KiB = 2**30, 2**10
 
