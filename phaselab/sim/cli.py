@@ -4,6 +4,7 @@
         --decode-workers 2 --tp-prefill 4 --tp-decode 4 --transfer-link 25gbe --request-rate 4 --out DIR
     phaselab simulate replay RUN_DIR            the real run's iteration times in, its plans compared
     phaselab simulate calibrate RUN_DIR --out cpu.json
+    phaselab simulate fit --vidur a100 --out a100.json   a device's curves from operator profile tables
     phaselab simulate search --model llama-3-8b --hardware h100 --max-gpus 8 --ttft-slo 0.5 --tpot-slo 0.05
     phaselab simulate catalog                   hardware, links and models with their sources
 
@@ -60,6 +61,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     cal.add_argument("--weighting", default="sqrt", choices=["sqrt", "relative", "absolute"],
                      help="least-squares weight of each iteration's error: 1/sqrt(time), 1/time or 1 "
                           "(default: %(default)s)")
+
+    from phaselab.sim.fit import add_fit_parser
+
+    add_fit_parser(sub)
 
     se = sub.add_parser("search", help="find the deployment with the best goodput (or capacity) per GPU",
                         description="Search deployments (prefill:decode ratio, tensor parallelism per phase, chunk "
@@ -262,7 +267,7 @@ def exact_workload(ns: argparse.Namespace, arrivals: Any) -> list[Any]:
 def run_simulate(ns: argparse.Namespace) -> int:
     try:
         return {"run": _cmd_run, "replay": _cmd_replay, "calibrate": _cmd_calibrate, "search": _cmd_search,
-                "catalog": _cmd_catalog}[ns.sim_command](ns)
+                "catalog": _cmd_catalog, "fit": _cmd_fit}[ns.sim_command](ns)
     except (ConfigError, ValueError, OSError) as e:
         print(f"phaselab simulate: error: {e}", file=sys.stderr)
         return 2
@@ -324,6 +329,12 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
         write_params(fit, hw, ns.out)
         print(f"parameters written to {ns.out}; use them with --hardware {hw.name} --params {ns.out}")
     return 0
+
+
+def _cmd_fit(ns: argparse.Namespace) -> int:
+    from phaselab.sim.fit import run_fit
+
+    return run_fit(ns)
 
 
 def _cmd_search(ns: argparse.Namespace) -> int:

@@ -32,8 +32,18 @@ from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import ModeledCost
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import HardwareSpec, LinkSpec, ModelSpec
+from phaselab.sim.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
+                                     check_efficiency, gemm_efficiency, kv_read_efficiency, ring_allreduce_time,
+                                     saturating)
 
 NS = 1_000_000_000
+
+
+def _check_efficiency(name: str, value: float) -> None:
+    try:
+        check_efficiency(name, value)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -41,10 +51,10 @@ class CostParams:
     """Efficiencies and overheads of one kind of device running one engine (see module docstring)."""
 
     compute_efficiency: float = field(default=0.7, metadata={
-        "help": "e_max: fraction of peak FLOP/s a large GEMM reaches"})
+        "help": "e_max in (0, 1]: fraction of peak FLOP/s a large GEMM reaches"})
     rows_half: float = field(default=32.0, metadata={"help": "rows (tokens) of a GEMM at which it reaches e_max / 2"})
     attention_efficiency: float = field(default=0.5, metadata={
-        "help": "fraction of peak FLOP/s the attention of prefill chunks reaches"})
+        "help": "e_att in (0, 1]: fraction of peak FLOP/s the attention of long prefill chunks reaches"})
     decode_attention_efficiency: float | None = field(default=None, metadata={
         "help": "fraction of peak FLOP/s the decodes' attention reaches: another kernel, one query per request "
                 "(None: attention_efficiency's)"})
@@ -53,6 +63,15 @@ class CostParams:
     kv_memory_efficiency: float | None = field(default=None, metadata={
         "help": "fraction of peak bandwidth attention's K/V reads reach through the block tables "
                 "(None: memory_efficiency's)"})
+    attention_q_half: float = field(default=ATTENTION_Q_HALF, metadata={
+        "help": "query rows of an attention call at which it reaches half its efficiency (0: no curve)"})
+    attention_k_half: float = field(default=ATTENTION_K_HALF, metadata={
+        "help": "mean keys per query of an attention call at which it reaches half its efficiency (0: no curve)"})
+    kv_context_half: float = field(default=KV_CONTEXT_HALF, metadata={
+        "help": "context (tokens) of a decode at which its K/V read reaches half its bandwidth fraction (0: no curve)"})
+    elementwise_efficiency: float | None = field(default=None, metadata={
+        "help": "fraction of peak bandwidth the norms, RoPE, activation and residual adds reach "
+                "(None: not a term of its own; a calibration folds them into the others)"})
     iteration_overhead_s: float = field(default=1e-3, metadata={
         "help": "fixed time per iteration (schedule, launch, sync)"})
     layer_overhead_s: float = field(default=5e-6, metadata={
@@ -63,19 +82,22 @@ class CostParams:
         "help": "time per prefill chunk on top of request_overhead_s (each chunk's own attention call in every "
                 "layer, where decodes share one batched call)"})
     token_overhead_s: float = field(default=0.0, metadata={"help": "time per computed token not in the roofline"})
-    allreduce_latency_s: float = field(default=8e-6, metadata={"help": "fixed time of one tensor-parallel all-reduce"})
+    allreduce_latency_s: float = field(default=1.1e-5, metadata={
+        "help": "fixed time of one tensor-parallel all-reduce (NCCL and link latency)"})
+    allreduce_efficiency: float = field(default=1.0, metadata={
+        "help": "fraction of the TP link's bandwidth a ring all-reduce reaches (bus bandwidth / link bandwidth)"})
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)} must be > 0")
-        for name in ("kv_memory_efficiency", "decode_attention_efficiency"):
+        for name in ("compute_efficiency", "attention_efficiency", "memory_efficiency", "allreduce_efficiency"):
+            _check_efficiency(name, getattr(self, name))
+        for name in ("kv_memory_efficiency", "decode_attention_efficiency", "elementwise_efficiency"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ConfigError(f"{name}={value} must be > 0 (or null)")
-        for name in ("rows_half", "iteration_overhead_s", "layer_overhead_s", "request_overhead_s",
-                     "chunk_overhead_s", "token_overhead_s", "allreduce_latency_s"):
+            if value is not None:
+                _check_efficiency(name, value)
+        for name in ("rows_half", "attention_q_half", "attention_k_half", "kv_context_half", "iteration_overhead_s",
+                     "layer_overhead_s", "request_overhead_s", "chunk_overhead_s", "token_overhead_s",
+                     "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -95,6 +117,14 @@ class CostParams:
             return "default: attention_efficiency's value (one attention kernel for chunks and decodes), not fitted"
         if name == "kv_memory_efficiency" and self.kv_memory_efficiency is None:
             return "default: memory_efficiency's value (K/V read as fast as weights stream), not fitted"
+        if name in ("attention_q_half", "attention_k_half", "attention_efficiency", "decode_attention_efficiency") \
+                and self.attention_q_half == ATTENTION_Q_HALF:
+            return ("assumed: FlashAttention-2-style tiles (128 query rows, 128-key blocks), see "
+                    "phaselab/sim/efficiency.py; no attention profile in the Vidur data, not fitted")
+        if name == "kv_context_half" and self.kv_context_half == KV_CONTEXT_HALF:
+            return "assumed: a paged decode kernel needs ~100s of keys in flight per sequence; not fitted"
+        if name == "elementwise_efficiency" and self.elementwise_efficiency is None:
+            return "default: no term of its own (folded into the others)"
         if name == "chunk_overhead_s" and self.chunk_overhead_s == 0:
             return "default: 0, a chunk costs what any scheduled request does (request_overhead_s), not fitted"
         return "default: a typical value for GPU serving engines, not fitted"
@@ -106,7 +136,7 @@ class CostParams:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> CostParams:
         known = {f.name for f in fields(cls)}
-        unknown = set(d) - known - {"hardware", "fit"}
+        unknown = set(d) - known - {"hardware", "fit", "link"}
         if unknown:
             raise ConfigError(f"unknown cost parameter(s) {sorted(unknown)}; known: {sorted(known - {'sources'})}")
         return cls(**{k: v for k, v in d.items() if k in known})
@@ -124,17 +154,29 @@ DEFAULT_PARAMS: dict[str, CostParams] = {
                       decode_attention_efficiency=0.3, memory_efficiency=1.0,
                       kv_memory_efficiency=1.0, iteration_overhead_s=5e-3, layer_overhead_s=2e-4,
                       request_overhead_s=2e-4, chunk_overhead_s=0.0, token_overhead_s=0.0, allreduce_latency_s=0.0,
-                      sources={k: "default: placeholder for this CPU; run `phaselab simulate calibrate RUN_DIR`"
-                               for k in ("compute_efficiency", "rows_half", "attention_efficiency",
-                                         "decode_attention_efficiency", "memory_efficiency", "kv_memory_efficiency",
-                                         "iteration_overhead_s",
-                                         "layer_overhead_s", "request_overhead_s", "chunk_overhead_s",
-                                         "token_overhead_s", "allreduce_latency_s")}),
+                      # flat curves: a calibration on a run fits one efficiency per operator class (linear in
+                      # its inverse); the shape terms are GPU kernel facts (tiles), not this CPU's
+                      attention_q_half=0.0, attention_k_half=0.0, kv_context_half=0.0,
+                      sources={**{k: "default: placeholder for this CPU; run `phaselab simulate calibrate RUN_DIR`"
+                                  for k in ("compute_efficiency", "rows_half", "attention_efficiency",
+                                            "decode_attention_efficiency", "memory_efficiency",
+                                            "kv_memory_efficiency", "iteration_overhead_s",
+                                            "layer_overhead_s", "request_overhead_s", "chunk_overhead_s",
+                                            "token_overhead_s", "allreduce_latency_s")},
+                               **{k: "default: 0, no shape curve on this CPU (torch SDPA / the C decode kernel have "
+                                     "no GPU tiles); calibrate fits one efficiency per class"
+                                  for k in ("attention_q_half", "attention_k_half", "kv_context_half")}}),
 }
 
 
 def default_params(hardware: HardwareSpec) -> CostParams:
-    return DEFAULT_PARAMS.get(hardware.name, CostParams())
+    """This CPU's placeholders; a GPU's fit shipped with the package (phaselab/sim/data/fits/, made by
+    `phaselab simulate fit` from the Vidur operator profiles); else typical unfitted values."""
+    if hardware.name in DEFAULT_PARAMS:
+        return DEFAULT_PARAMS[hardware.name]
+    from phaselab.sim.fit import shipped_fit  # the fits import this module
+
+    return shipped_fit(hardware.name) or CostParams()
 
 
 @dataclass
@@ -164,10 +206,12 @@ class PlanCounts:
     keys_attended: int  # sum over queries of the keys each attends (causal)
     num_decodes: int = 0  # single-token entries
     decode_keys: int = 0  # of keys_attended and kv_tokens_read: the decodes' (each its context)
+    chunks: tuple[tuple[int, int], ...] = ()  # (num_tokens, start_position) of each prefill chunk
 
 
 def plan_counts(plan: SchedulerOutput) -> PlanCounts:
     num_tokens = num_sampled = kv_read = keys = chunks = decodes = decode_keys = 0
+    shapes = []
     for e in plan.scheduled:
         n, s = len(e.token_ids), e.start_position
         num_tokens += n
@@ -182,7 +226,37 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
             chunks += 1
             kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
             keys += n * s + n * (n + 1) // 2
-    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys)
+            shapes.append((n, s))
+    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys,
+                      tuple(shapes))
+
+
+def elementwise_bytes_per_token_layer(m: ModelSpec, dtype_bytes: int, tp: int) -> int:
+    """Bytes one token moves through one layer's elementwise kernels on one GPU: two norms and two
+    residual adds on the full hidden state (replicated under TP), RoPE on q and k and the MLP's
+    activation on this GPU's shard. Each reads its inputs and writes its output once."""
+    h, i = m.hidden_size, m.intermediate_size
+    norms = 2 * 2 * h  # read x, write y
+    adds = 2 * 3 * h  # read two, write one
+    rope = 2 * (m.q_size + m.kv_size) // tp  # read and write q, k
+    act = (3 * i if m.mlp_matrices == 3 else 2 * i) // tp  # gated: read gate and up, write one
+    return (norms + adds + rope + act) * dtype_bytes
+
+
+def chunk_keys(n: int, s: int) -> int:
+    """Keys the n queries of a chunk at position s attend, causally: the prefix and itself."""
+    return n * s + n * (n + 1) // 2
+
+
+def prefill_attention_shape(shapes: tuple[tuple[int, int], ...], q_half: float, k_half: float) -> float:
+    """sum over chunks of keys_c / shape_factor(q_c, mean keys_c): the keys, each weighted by 1 / how far
+    below its best its call runs (efficiency.attention_efficiency without e_att). Equals the keys when
+    the curve is flat, so the attention time stays linear in 1 / e_att (what calibrate fits)."""
+    total = 0.0
+    for n, s in shapes:
+        keys = chunk_keys(n, s)
+        total += keys / attention_efficiency(n, keys / n, 1.0, q_half, k_half)
+    return total
 
 
 class RooflineCostModel:
@@ -212,11 +286,19 @@ class RooflineCostModel:
         self._bw = hardware.mem_bandwidth * p.memory_efficiency
         self._bw_kv = hardware.mem_bandwidth * p.kv_efficiency
         self._fixed = p.iteration_overhead_s + m.num_layers * p.layer_overhead_s
+        # norms, RoPE, activation, residual adds: read and written once per token per layer, per GPU
+        self._elementwise_bytes_per_token = m.num_layers * elementwise_bytes_per_token_layer(m, b, tp) \
+            if p.elementwise_efficiency else 0
+        self._bw_elementwise = hardware.mem_bandwidth * (p.elementwise_efficiency or 1.0)
+        # a decode's queries of one KV head form one tile (GQA packing): its attention call's query rows
+        self._decode_q_rows = m.num_heads // m.num_kv_heads
         if tp > 1:
             if tp_link is None:
                 raise ConfigError("tp > 1 needs the link of the tensor-parallel group")
-            ring = 2 * (tp - 1) / tp / (tp_link.bandwidth)
-            self._ar_fixed = 2 * m.num_layers * (p.allreduce_latency_s + tp_link.latency_s)
+            # two all-reduces per layer (after attention's output projection and after the MLP), of the
+            # T x hidden activations, ring-priced from the TP link (efficiency.ring_allreduce_time)
+            ring = 2 * (tp - 1) / tp / (tp_link.bandwidth * p.allreduce_efficiency)
+            self._ar_fixed = 2 * m.num_layers * p.allreduce_latency_s
             self._ar_per_token = 2 * m.num_layers * ring * m.hidden_size * dtype_bytes
         else:
             self._ar_fixed = self._ar_per_token = 0.0
@@ -244,20 +326,33 @@ class RooflineCostModel:
         p, tp = self.params, self.tp
         modeled = self.modeled_cost(c)
         t = c.num_tokens
-        eff = p.compute_efficiency * t / (t + p.rows_half)
+        # dense GEMMs: efficiency by the rows (tokens) of the batch
+        eff = gemm_efficiency(t, p.compute_efficiency, p.rows_half)
         lin_compute = modeled.matmul_flops / tp / (self._peak * eff)
         lin_memory = modeled.weight_bytes / tp / self._bw
-        # prefill chunks and decodes run different attention kernels, one after the other
+        # prefill chunks and decodes run different attention kernels, one after the other; the chunks of
+        # one iteration share one (varlen) call, each chunk's keys priced at its own shape's efficiency
+        # and reading its whole prefix's K/V again
         dk, nd = c.decode_keys, c.num_decodes
-        att_c_p = self._attn_flops_per_key * (c.keys_attended - dk) / tp / (self._peak * p.attention_efficiency)
+        weighted_keys = prefill_attention_shape(c.chunks, p.attention_q_half, p.attention_k_half) \
+            if c.chunks else float(c.keys_attended - dk)
+        att_c_p = self._attn_flops_per_key * weighted_keys / tp / (self._peak * p.attention_efficiency)
         att_m_p = self._kv_per_token_gpu * (c.kv_tokens_read - dk + t - nd) / self._bw_kv
-        att_c_d = self._attn_flops_per_key * dk / tp / (self._peak * p.decode_attention)
-        att_m_d = self._kv_per_token_gpu * (dk + nd) / self._bw_kv
+        if nd:
+            mean_ctx = dk / nd
+            e_att_d = attention_efficiency(self._decode_q_rows, mean_ctx, p.decode_attention, p.attention_q_half,
+                                           p.attention_k_half)
+            e_kv_d = saturating(mean_ctx, 1.0, p.kv_context_half)
+            att_c_d = self._attn_flops_per_key * dk / tp / (self._peak * e_att_d)
+            att_m_d = self._kv_per_token_gpu * (dk + nd) / (self._bw_kv * e_kv_d)
+        else:
+            att_c_d = att_m_d = 0.0
         att_p, att_d = max(att_c_p, att_m_p), max(att_c_d, att_m_d)
+        elementwise = self._elementwise_bytes_per_token * t / self._bw_elementwise
         overhead = self._fixed + c.num_entries * p.request_overhead_s + c.num_chunks * p.chunk_overhead_s \
             + t * p.token_overhead_s
         allreduce = self._ar_fixed + self._ar_per_token * t if tp > 1 else 0.0
-        linear, attention = max(lin_compute, lin_memory), att_p + att_d
+        linear, attention = max(lin_compute, lin_memory) + elementwise, att_p + att_d
         att_bound = (att_c_p >= att_m_p) if att_p >= att_d else (att_c_d >= att_m_d)  # of the larger part
         total = overhead + linear + attention + allreduce
         return IterationCost(

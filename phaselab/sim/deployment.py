@@ -98,7 +98,11 @@ class Deployment:
         return get_link(self.tp_link or self.hardware.tp_link)
 
     def transfer_link_spec(self) -> LinkSpec:
-        return get_link(self.transfer_link or self.tp_link or self.hardware.tp_link)
+        """The KV transfer's link at its fitted point-to-point efficiency and latency where a shipped
+        device fit measured it (NVLink 3/4 from Vidur's send_recv tables), else its datasheet figures."""
+        from phaselab.sim.fit import effective_link
+
+        return effective_link(get_link(self.transfer_link or self.tp_link or self.hardware.tp_link))
 
     def num_blocks(self, rc: RoleConfig) -> int:
         """KV blocks of one engine: what its GPUs' memory holds after the weights."""
