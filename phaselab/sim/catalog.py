@@ -103,9 +103,11 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
     # This machine: 2 cores of an Intel Xeon (Sapphire Rapids family, AVX512-BF16, no AMX exposed).
     # Figures from `python benchmarks/roofline.py --quick` on it; `phaselab simulate calibrate` fits
     # the efficiencies and overheads of a real run against them.
-    HardwareSpec("cpu", 63e9, 9.1e9, 23 * GiB, "pcie4", "this CPU (2 cores), as measured", {
-        "peak_flops": "measured: benchmarks/roofline.py --quick, bf16 layer-mix GEMM at 512 rows, 63 GFLOP/s",
-        "mem_bandwidth": "measured: benchmarks/roofline.py --quick, read bandwidth of a 256 MiB array, 9.1 GB/s",
+    HardwareSpec("cpu", 180e9, 27.7e9, 23 * GiB, "pcie4", "this CPU (2 cores), as measured", {
+        "peak_flops": "measured: benchmarks/results/roofline.json (quiet machine, 2 threads), the fastest bf16 "
+                      "GEMM of the bundled model's shapes, 179.7 GFLOP/s (o_proj at 2048 rows)",
+        "mem_bandwidth": "measured: benchmarks/results/roofline.json (quiet machine), read bandwidth of a 1 GiB "
+                         "array, 27.7 GB/s",
         "memory_bytes": "measured: free -g, 23 GiB",
         "tp_link": "default: unused (one device)"}),
 )}

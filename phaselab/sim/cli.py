@@ -324,7 +324,7 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
           f"{s['total_time_error']:+.1%}")
     for k, v in fit.params.to_json().items():
         if k != "sources":
-            print(f"  {k:<22} {v:.6g}   ({fit.params.source(k)})")
+            print(f"  {k:<22} {'-' if v is None else format(v, '.6g')}   ({fit.params.source(k)})")
     if ns.out:
         write_params(fit, hw, ns.out)
         print(f"parameters written to {ns.out}; use them with --hardware {hw.name} --params {ns.out}")

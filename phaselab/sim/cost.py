@@ -189,6 +189,7 @@ class IterationCost:
     linear_s: float = 0.0
     attention_s: float = 0.0
     allreduce_s: float = 0.0
+    elementwise_s: float = 0.0  # norms, RoPE, activation, residual adds (replicated parts not split by TP)
     linear_bound: str = ""  # "compute" | "memory"
     attention_bound: str = ""
     modeled: ModeledCost = field(default_factory=ModeledCost)
@@ -352,12 +353,12 @@ class RooflineCostModel:
         overhead = self._fixed + c.num_entries * p.request_overhead_s + c.num_chunks * p.chunk_overhead_s \
             + t * p.token_overhead_s
         allreduce = self._ar_fixed + self._ar_per_token * t if tp > 1 else 0.0
-        linear, attention = max(lin_compute, lin_memory) + elementwise, att_p + att_d
+        linear, attention = max(lin_compute, lin_memory), att_p + att_d
         att_bound = (att_c_p >= att_m_p) if att_p >= att_d else (att_c_d >= att_m_d)  # of the larger part
-        total = overhead + linear + attention + allreduce
+        total = overhead + linear + elementwise + attention + allreduce
         return IterationCost(
             duration_ns=max(1, round(total * NS)), overhead_s=overhead, linear_s=linear, attention_s=attention,
-            allreduce_s=allreduce, linear_bound="compute" if lin_compute >= lin_memory else "memory",
+            allreduce_s=allreduce, elementwise_s=elementwise, linear_bound="compute" if lin_compute >= lin_memory else "memory",
             attention_bound="compute" if att_bound else "memory", modeled=modeled)
 
     def describe(self) -> dict[str, Any]:
