@@ -78,6 +78,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     se.add_argument("--budgets", default="512,2048", help="token budgets to try (default: %(default)s)")
     se.add_argument("--policies", default="chunked,prefill-first", help="colocated policies (default: %(default)s)")
     se.add_argument("--max-pool", type=int, default=4, help="most engines per disagg pool (default: %(default)s)")
+    se.add_argument("--prefill-decode", default=None, metavar="P:D,...",
+                    help="disagg engine ratios to try, e.g. 1:1,2:1 (default: every coprime pair up to --max-pool)")
+    se.add_argument("--prefill-policies", default="chunked", help="disagg prefill pool policies (default: %(default)s)")
+    se.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per engine "
+                                                                  "(default: %(default)s)")
+    se.add_argument("--long-prefill-token-threshold", type=int, default=0)
     se.add_argument("--transfer-link", default=None, help="disagg KV link (default: the hardware's NVLink)")
     se.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
     se.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"])
@@ -347,8 +353,12 @@ def _cmd_search(ns: argparse.Namespace) -> int:
     base = dict(dtype_bytes=DTYPE_BYTES[ns.dtype], gpu_memory_utilization=ns.gpu_memory_utilization,
                 max_model_len=ns.max_model_len, transfer_link=ns.transfer_link, transfer_mode=ns.transfer_mode,
                 first_token_from=ns.first_token_from)
+    ratios = [tuple(int(v) for v in r.split(":")) for r in _csv(ns.prefill_decode, str)] if ns.prefill_decode \
+        else None
+    role = dict(max_num_seqs=ns.max_num_seqs, long_prefill_token_threshold=ns.long_prefill_token_threshold)
     deps = candidates(model, hw, ns.max_gpus, _csv(ns.modes, str), _csv(ns.tps, int), _csv(ns.budgets, int),
-                      _csv(ns.policies, str), ns.max_pool, params, base)
+                      _csv(ns.policies, str), ns.max_pool, params, base, role=role, ratios=ratios,
+                      prefill_policies=_csv(ns.prefill_policies, str))
     print(f"objective: {slo.definition()}")
     print(f"searching {len(deps)} deployments of {model.name} on {hw.name} (<= {ns.max_gpus} GPUs), "
           f"{ns.num_prompts} requests per simulation", file=sys.stderr)
