@@ -56,7 +56,8 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                                      "iteration times vs the plans' FLOPs and bytes, least squares) and report the "
                                      "fit error.")
     cal.add_argument("run_dir", metavar="RUN_DIR")
-    cal.add_argument("--hardware", default="cpu", help="catalog entry the run ran on (default: %(default)s)")
+    cal.add_argument("--hardware", default="cpu", help="catalog entry (or hardware JSON file) the run ran on "
+                                                       "(default: %(default)s)")
     cal.add_argument("--out", default=None, help="write the fitted parameters (JSON, with sources) here")
     cal.add_argument("--weighting", default="sqrt", choices=["sqrt", "relative", "absolute"],
                      help="least-squares weight of each iteration's error: 1/sqrt(time), 1/time or 1 "
@@ -114,7 +115,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default="llama-3-8b",
                    help=f"catalog name ({', '.join(MODELS)}) or a Hugging Face config.json / model directory "
                         "(default: %(default)s)")
-    m.add_argument("--hardware", default="h100", help=f"{', '.join(HARDWARE)} (default: %(default)s)")
+    m.add_argument("--hardware", default="h100", help=f"{', '.join(HARDWARE)}, or a hardware JSON file "
+                                                      "(docs/simulator.md) (default: %(default)s)")
     m.add_argument("--params", default=None, help="cost parameters JSON (from `simulate calibrate`)")
     m.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
                    help="weights and KV (default: %(default)s)")
@@ -140,8 +142,10 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: from memory)")
     d.add_argument("--block-size", type=int, default=16)
     d.add_argument("--no-prefix-caching", action="store_true")
-    d.add_argument("--tp-link", default=None, help=f"{', '.join(LINKS)} (default: the hardware's)")
-    d.add_argument("--transfer-link", default=None, help="disagg KV transfer link (default: the TP link)")
+    d.add_argument("--tp-link", "--interconnect", dest="tp_link", default=None,
+                   help=f"{', '.join(LINKS)}, or a link JSON file (default: the hardware's)")
+    d.add_argument("--transfer-link", default=None, help="disagg KV transfer link, a name or a link JSON file "
+                                                         "(default: the TP link)")
     d.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
     d.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"],
                    help="disagg: the prefill side streams the first token (phaselab's router), or the decode "

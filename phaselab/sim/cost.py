@@ -33,8 +33,7 @@ from phaselab.core.timing import ModeledCost
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import HardwareSpec, LinkSpec, ModelSpec
 from phaselab.sim.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
-                                     check_efficiency, gemm_efficiency, kv_read_efficiency, ring_allreduce_time,
-                                     saturating)
+                                     check_efficiency, gemm_efficiency, kv_read_efficiency)
 
 NS = 1_000_000_000
 
@@ -172,6 +171,10 @@ DEFAULT_PARAMS: dict[str, CostParams] = {
 def default_params(hardware: HardwareSpec) -> CostParams:
     """This CPU's placeholders; a GPU's fit shipped with the package (phaselab/sim/data/fits/, made by
     `phaselab simulate fit` from the Vidur operator profiles); else typical unfitted values."""
+    if hardware.cost_params is not None:  # a device from a file that brings its own
+        d = {k: v for k, v in hardware.cost_params.items() if k not in ("fit", "link", "hardware")}
+        sources = {**{k: f"hardware file of {hardware.name}" for k in d}, **d.pop("sources", {})}
+        return CostParams.from_json({**d, "sources": sources})
     if hardware.name in DEFAULT_PARAMS:
         return DEFAULT_PARAMS[hardware.name]
     from phaselab.sim.fit import shipped_fit  # the fits import this module
@@ -343,7 +346,7 @@ class RooflineCostModel:
             mean_ctx = dk / nd
             e_att_d = attention_efficiency(self._decode_q_rows, mean_ctx, p.decode_attention, p.attention_q_half,
                                            p.attention_k_half)
-            e_kv_d = saturating(mean_ctx, 1.0, p.kv_context_half)
+            e_kv_d = kv_read_efficiency(mean_ctx, 1.0, p.kv_context_half)
             att_c_d = self._attn_flops_per_key * dk / tp / (self._peak * e_att_d)
             att_m_d = self._kv_per_token_gpu * (dk + nd) / (self._bw_kv * e_kv_d)
         else:
