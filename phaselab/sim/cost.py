@@ -1,25 +1,29 @@
 """Cost of one iteration, predicted from its plan: what the executor would have taken.
 
     plan ─▶ counts (per GPU of a tensor-parallel group of tp devices)
-              linear layers   F_lin = 2 T L macs / tp (+ LM head on sampled rows)   B_w  = weights / tp
-              attention       F_att = 4 L heads d sum(keys) / tp                     B_kv = KV read + written / tp
+              GEMMs           F_lin = 2 T L macs / tp (+ LM head on sampled rows)   B_w  = weights / tp
+              elementwise     B_el  = L T x (norms, adds: full; RoPE, activation: / tp) bytes
+              attention       F_att = 4 L heads d keys / tp per chunk c and for the decodes; B_kv = K/V read + written
          ─▶ time = o_iter + L o_layer + n o_request + n_chunks o_chunk + T o_token
-                 + max(F_lin / (peak x e(T)),  B_w  / (bandwidth x e_mem))       linear layers
-                 + max(F_att,p / (peak x e_att),   B_kv,p / (bandwidth x e_kv))  attention of prefill chunks
-                 + max(F_att,d / (peak x e_att_d), B_kv,d / (bandwidth x e_kv))  attention of decodes
-                                                          (e_att_d: e_att unless set; e_kv: e_mem unless set)
-                 + 2 L x all-reduce(T h b)   if tp > 1, all-reduce(x) = latency + 2 (tp-1)/tp x / link bandwidth
-         with e(T) = e_max x T / (T + rows_half): GEMM efficiency grows with the rows of the batch
+                 + max(F_lin / (peak x e_gemm(T)),  B_w / (bandwidth x e_mem))              GEMMs
+                 + B_el / (bandwidth x e_elem)                                              elementwise
+                 + max(sum_c F_att,c / (peak x e_att(q_c, k_c)), B_kv,p / (bandwidth x e_kv))   prefill chunks
+                 + max(F_att,d / (peak x e_att(g, k_d)), B_kv,d / (bandwidth x e_kv x e_ctx(k_d)))  decodes
+                 + 2 L x (latency_ar + 2 (tp-1)/tp x T h b / (link bandwidth x e_ar))   if tp > 1
+         every e in (0, 1], each curve monotone in its shape (phaselab/sim/efficiency.py):
+         e_gemm(T) = e_max T / (T + T_half); e_att(q, k) = e_att q/(q + q_half) k/(k + k_half);
+         e_ctx(k) = k / (k + k_ctx_half); g = heads / kv_heads (a decode's GQA query rows)
 
-The issue's roofline `max(compute / (peak x efficiency(rows)), bytes / (bandwidth x efficiency))`
-is applied per operator class and the two are summed: within each layer the projections and the
+The roofline `max(compute / (peak x efficiency(shape)), bytes / (bandwidth x efficiency(shape)))` is
+applied per operator class and the classes are summed: within each layer the projections and the
 attention run one after the other, and in a mixed (chunked) batch the projections can be
 compute-bound while the decodes' attention is bandwidth-bound. Counts are those of
 `phaselab.obs.cost` (docs/metrics.md), generalised to OPT-style models by `ModelSpec`; for a
 Llama-family model `modeled_cost` here equals `phaselab.obs.cost.modeled_cost` field for field.
 
-Every parameter carries its source (`CostParams.sources`): "default: ..." until a calibration
-fits it ("fitted on run DIR ..."), see phaselab/sim/calibrate.py.
+Every parameter carries its source (`CostParams.sources`): the GPU defaults are fits of Vidur's
+operator profiles (phaselab/sim/fit.py; attention assumed, said so), this CPU's a calibration on a
+run (phaselab/sim/calibrate.py), anything else "default: ...".
 """
 
 from __future__ import annotations
