@@ -387,6 +387,7 @@ def _cmd_search(ns: argparse.Namespace) -> int:
 
 def _cmd_catalog(ns: argparse.Namespace) -> int:
     from phaselab.sim.catalog import source_of
+    from phaselab.sim.cost import default_params
 
     print("hardware:")
     for h in HARDWARE.values():
@@ -394,6 +395,10 @@ def _cmd_catalog(ns: argparse.Namespace) -> int:
               f"{h.memory_bytes / GiB:.0f} GiB, TP over {h.tp_link}")
         for f in ("peak_flops", "mem_bandwidth", "memory_bytes"):
             print(f"           {f}: {source_of(h, f)}")
+        p = default_params(h)
+        print(f"           cost: e_max {p.compute_efficiency:.3g} (T_half {p.rows_half:.3g}), e_mem "
+              f"{p.memory_efficiency:.3g}, e_att {p.attention_efficiency:.3g}, e_ar {p.allreduce_efficiency:.3g}: "
+              f"{p.source('compute_efficiency')}")
     print("links:")
     for link in LINKS.values():
         print(f"  {link.name:<8} {link.bandwidth / 1e9:g} GB/s per direction{' per GPU' if link.per_gpu else ''}, "
