@@ -170,3 +170,20 @@ def test_shipped_gpu_fits_come_from_the_profiles_and_say_so(hw):
     assert "fitted on" in p.source("allreduce_efficiency")
     assert "assumed" in p.source("attention_efficiency")
     assert not math.isnan(p.rows_half) and p.layer_overhead_s > 0
+
+
+def test_the_shipped_a100_fit_is_what_simulate_fit_makes_from_the_packaged_tables(tmp_path):
+    """phaselab/sim/data/fits/a100.json is reproducible: `simulate fit --vidur a100` on the copied
+    Vidur tables gives the same parameters."""
+    import json
+
+    from phaselab.sim.cli import main
+    from phaselab.sim.fit import load_fit_json
+
+    out = tmp_path / "a100.json"
+    assert main(["simulate", "fit", "--vidur", "a100", "--out", str(out)]) == 0
+    made, shipped = json.loads(out.read_text()), load_fit_json("a100")
+    for name in ("compute_efficiency", "rows_half", "memory_efficiency", "elementwise_efficiency",
+                 "layer_overhead_s", "allreduce_efficiency", "allreduce_latency_s"):
+        assert made[name] == pytest.approx(shipped[name], rel=1e-3), name
+    assert made["link"]["efficiency"] == pytest.approx(shipped["link"]["efficiency"], rel=1e-3)
