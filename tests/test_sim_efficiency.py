@@ -32,7 +32,8 @@ def plan_of(entries: list[tuple[int, int, bool]]) -> SchedulerOutput:
 def test_every_efficiency_is_in_zero_one(hw):
     p = default_params(get_hardware(hw))
     values = [p.compute_efficiency, p.attention_efficiency, p.decode_attention, p.memory_efficiency,
-              p.kv_efficiency, p.allreduce_efficiency] + ([p.elementwise_efficiency] if p.elementwise_efficiency else [])
+              p.kv_efficiency, p.allreduce_efficiency]
+    values += [p.elementwise_efficiency] if p.elementwise_efficiency else []
     assert all(0 < v <= 1 for v in values), values
     # and every curve built on them, over shapes from 1 to 1M
     for x in [1, 2, 7, 64, 500, 4096, 10**6]:

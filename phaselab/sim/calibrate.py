@@ -321,7 +321,8 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
         attention_q_half=0.0, attention_k_half=0.0, kv_context_half=0.0, elementwise_efficiency=None,
         sources={**{k: f"fitted on run {label}: 0, one efficiency per operator class (no shape curve)"
                     for k in ("attention_q_half", "attention_k_half", "kv_context_half")},
-                 "elementwise_efficiency": "not a term of its own: folded into the others by the fit","compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
+                 "elementwise_efficiency": "not a term of its own: folded into the others by the fit",
+                 "compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
                  "decode_attention_efficiency": s_ad,
                  "kv_memory_efficiency": s_kv,
                  "iteration_overhead_s": note + "; per-layer overheads folded in",

@@ -82,7 +82,8 @@ class HardwareSpec:
     peak_flops: float = field(metadata={"help": "dense bf16/fp16 tensor FLOP/s of one device (no sparsity)"})
     mem_bandwidth: float = field(metadata={"help": "device memory bandwidth, bytes/s"})
     memory_bytes: int = field(metadata={"help": "device memory, bytes"})
-    tp_link: str = field(default="nvlink4", metadata={"help": "LINKS entry (or link file) of the tensor-parallel group"})
+    tp_link: str = field(default="nvlink4", metadata={
+        "help": "LINKS entry (or link file) of the tensor-parallel group"})
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     cost_params: dict[str, Any] | None = field(default=None, compare=False, metadata={

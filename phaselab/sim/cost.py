@@ -365,7 +365,8 @@ class RooflineCostModel:
         total = overhead + linear + elementwise + attention + allreduce
         return IterationCost(
             duration_ns=max(1, round(total * NS)), overhead_s=overhead, linear_s=linear, attention_s=attention,
-            allreduce_s=allreduce, elementwise_s=elementwise, linear_bound="compute" if lin_compute >= lin_memory else "memory",
+            allreduce_s=allreduce, elementwise_s=elementwise,
+            linear_bound="compute" if lin_compute >= lin_memory else "memory",
             attention_bound="compute" if att_bound else "memory", modeled=modeled)
 
     def describe(self) -> dict[str, Any]:

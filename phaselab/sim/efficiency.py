@@ -23,9 +23,10 @@ Why these shapes:
   is dominated by the tile's prologue and epilogue. q_half = 64 and k_half = 128 (k: the mean keys a
   query attends) put a causal prefill of 512 tokens at 0.59 e_att, 2k at 0.86 and 16k at 0.98: with
   e_att = 0.73 on A100, 43%, 63% and 72% of peak, the range of the paper's forward-pass figures
-  ("50-73% of the theoretical maximum FLOPs/s on A100", causal short sequences below it). On H100 FlashAttention-2 reaches about 35% of peak
-  (Shah et al., "FlashAttention-3", 2024, abstract); the systems validated here used FA2 or older
-  kernels, so e_att = 0.35 there. These are documented assumptions, marked as such in the sources.
+  ("50-73% of the theoretical maximum FLOPs/s on A100", causal short sequences below it). On H100
+  FlashAttention-2 reaches about 35% of peak (Shah et al., "FlashAttention-3", 2024, abstract); the
+  systems validated here used FA2 or older kernels, so e_att = 0.35 there. These are documented
+  assumptions, marked as such in the sources.
 - Decode K/V read: a paged decode kernel streams each sequence's K/V; a short context cannot keep
   enough loads in flight (vLLM's paged attention: one thread block per head and sequence), so the
   bandwidth fraction rises with the context. k_kv_half = 128 tokens is assumed, not fitted.

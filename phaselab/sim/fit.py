@@ -63,7 +63,8 @@ class TermFit:
             return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
                     "max": float(a.max()), "mean_signed": float(np.mean(a))} if a.size else {}
 
-        return {"num_samples": self.num_samples, "abs_rel_error": q(e) | {"mean_signed": float(np.mean(self.rel_errors))},
+        return {"num_samples": self.num_samples,
+                "abs_rel_error": q(e) | {"mean_signed": float(np.mean(self.rel_errors))},
                 "abs_rel_error_by_tp": {str(k): q(np.abs(v)) for k, v in sorted(self.by_tp.items())}}
 
     def describe(self) -> str:
