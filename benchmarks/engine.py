@@ -71,7 +71,8 @@ from phaselab.config import EngineArgs
 from phaselab.core.timing import RequestMetrics
 from phaselab.engine.engine import LLMEngine
 from phaselab.engine.runner import kv_block_bytes
-from phaselab.model.loader import default_model_path, load_checkpoint
+from phaselab.model.loader import load_checkpoint
+from phaselab.spec.bundled import default_model_path
 
 SECTIONS = ("prefill", "decode", "offline")
 BLOCK_SIZE = 16

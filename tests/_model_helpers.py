@@ -26,7 +26,7 @@ PARAGRAPHS = [
 
 
 def bundled_gguf_path() -> str:
-    from phaselab.model.loader import default_model_path
+    from phaselab.spec.bundled import default_model_path
 
     return default_model_path()
 

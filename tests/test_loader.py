@@ -24,7 +24,9 @@ from tests._loader_helpers import (
 )
 
 from phaselab.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from phaselab.model.loader import default_model_path, expected_tensor_shapes, load_checkpoint
+from phaselab.model.checkpoint import expected_tensor_shapes
+from phaselab.model.loader import load_checkpoint
+from phaselab.spec.bundled import default_model_path
 
 QT = gguf.GGMLQuantizationType
 
@@ -299,9 +301,10 @@ def test_tokenizer_larger_than_embedding(tmp_path):
 
 
 def test_expected_shapes_match_parameter_count():
-    from phaselab.model.config import ModelConfig
+    from phaselab.spec.config import ModelConfig
 
-    for arch, tie, bias in [("LlamaForCausalLM", True, False), ("Qwen2ForCausalLM", False, True)]:
+    for arch, tie, bias in [("LlamaForCausalLM", True, False), ("LlamaForCausalLM", False, True),
+                            ("Qwen2ForCausalLM", False, True)]:
         config = ModelConfig.from_hf_dict(tiny_hf_config(arch, tie=tie, attention_bias=bias))
         total = sum(int(np.prod(s)) for s in expected_tensor_shapes(config).values())
         assert total == config.num_parameters()

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import ModeledCost
-from phaselab.model.config import ModelConfig
 from phaselab.obs.cost import keys_attended, modeled_cost
+from phaselab.spec.config import ModelConfig
 
 
 def tiny(tied: bool) -> ModelConfig:

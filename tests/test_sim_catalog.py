@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from phaselab.errors import ConfigError, UnsupportedModelError
-from phaselab.model.config import ModelConfig
 from phaselab.sim.catalog import (
     HARDWARE, LINKS, MODELS, get_hardware, get_link, get_model, model_from_hf_config, source_of,
 )
+from phaselab.spec.config import ModelConfig
 
 GiB, KiB = 2**30, 2**10
 
@@ -18,7 +18,7 @@ def test_opt_66b_kv_per_request_is_distserves_1_13_gb():
     # DistServe: "the KV cache of a single 512-token request on OPT-66B is about 1.13 GB".
     # 2 (K and V) x 64 layers x 9216 hidden (MHA: 72 KV heads x 128) x 2 bytes (fp16) x 512 tokens:
     opt = get_model("opt-66b")
-    assert opt.num_kv_heads == opt.num_heads == 72 and opt.kv_size == 9216
+    assert opt.num_key_value_heads == opt.num_attention_heads == 72 and opt.kv_size == 9216
     per_request = opt.kv_bytes_per_token(dtype_bytes=2) * 512
     assert per_request == 2 * 64 * 9216 * 2 * 512 == 1_207_959_552
     # = 1.208e9 bytes = 1.125 GiB: DistServe's "1.13 GB" is in GiB (binary gigabytes)
@@ -31,7 +31,7 @@ def test_llama_3_70b_is_320_kib_per_token():
     m = get_model("llama-3-70b")
     assert m.kv_bytes_per_token(2) == 2 * 80 * 8 * 128 * 2 == 320 * KiB
     # GQA: 8x smaller than the same model with multi-head attention (64 heads)
-    assert m.num_heads // m.num_kv_heads == 8
+    assert m.num_attention_heads // m.num_key_value_heads == 8
     # under TP=8 each GPU holds one KV head; under TP=16 the head is replicated, not split
     assert m.kv_bytes_per_token_per_gpu(2, 8) == 40 * KiB
     assert m.kv_bytes_per_token_per_gpu(2, 16) == 40 * KiB
@@ -60,16 +60,19 @@ def test_llama_config_json_and_model_config_agree():
          "max_position_embeddings": 8192, "rope_theta": 500000.0, "tie_word_embeddings": False}
     spec = model_from_hf_config(d, name="llama-3-70b")
     assert spec == MODELS["llama-3-70b"]
-    from_engine = type(spec).from_model_config(ModelConfig.from_hf_dict(d), name="llama-3-70b")
-    assert from_engine.num_parameters() == spec.num_parameters() == ModelConfig.from_hf_dict(d).num_parameters()
-    assert from_engine.kv_bytes_per_token(2) == ModelConfig.from_hf_dict(d).kv_bytes_per_token(2)
+    # the simulator's lenient reader and the engine's strict one give the same type and the same counts
+    from_engine = ModelConfig.from_hf_dict(d, name="llama-3-70b")
+    assert type(spec) is type(from_engine) is ModelConfig
+    assert from_engine.num_parameters() == spec.num_parameters()
+    assert from_engine.kv_bytes_per_token(2) == spec.kv_bytes_per_token(2)
+    assert from_engine.linear_macs_per_token_per_layer() == spec.linear_macs_per_token_per_layer()
 
 
 def test_unknown_family_is_accepted_with_its_assumption_stated():
     d = {"model_type": "fancy", "hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 4,
          "num_attention_heads": 8, "vocab_size": 1000}
     spec = model_from_hf_config(d, name="fancy")
-    assert "gated MLP" in spec.sources["*"] and spec.num_kv_heads == 8
+    assert "gated MLP" in spec.sources["*"] and spec.num_key_value_heads == 8
     with pytest.raises(UnsupportedModelError, match="hidden_size"):
         model_from_hf_config({"model_type": "x"}, name="x")
 

@@ -45,12 +45,12 @@ def test_friendly_errors(capsys):
 
 
 def test_calibrate_and_replay_a_run(tmp_path, capsys):
-    from phaselab.sim.catalog import ModelSpec, get_hardware
+    from phaselab.sim.catalog import get_hardware
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
     from phaselab.sim.workload import ArrivalSpec, random_requests
 
-    d = Deployment(ModelSpec.from_model_config(TINY), get_hardware("cpu"),
+    d = Deployment(TINY, get_hardware("cpu"),
                    colocated=RoleConfig(max_num_batched_tokens=64, num_blocks=64), max_model_len=512)
     simulate(d, random_requests(30, "uniform:8:200", "uniform:2:20", seed=0, arrivals=ArrivalSpec(request_rate=5))
              ).write(str(tmp_path / "run"))

@@ -89,7 +89,7 @@ def test_a_tp2_gemm_is_not_faster_than_half_tp1_plus_its_all_reduce(tokens, hw, 
     # and the all-reduce is priced from the link: twice per layer, T x hidden x 2 bytes, ring 2 (n-1)/n
     p = two.params
     one_ar = p.allreduce_latency_s + tokens * m.hidden_size * 2 / (get_link(link).bandwidth * p.allreduce_efficiency)
-    assert c2.allreduce_s == pytest.approx(2 * m.num_layers * one_ar, rel=1e-9)
+    assert c2.allreduce_s == pytest.approx(2 * m.num_hidden_layers * one_ar, rel=1e-9)
 
 
 # -- fitting from a table ------------------------------------------------------------------------------------

@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from phaselab.model.config import ModelConfig
 from phaselab.obs.rundir import read_run_dir
-from phaselab.sim.catalog import ModelSpec, get_hardware
+from phaselab.sim.catalog import get_hardware
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import ReplayError, replay, replay_inputs
 from phaselab.sim.workload import SimRequest
+from phaselab.spec.config import ModelConfig
 
 TINY = ModelConfig("llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
@@ -30,7 +30,7 @@ def _as_real_run(path, config: ModelConfig) -> None:
 
 
 def test_replay_of_a_run_with_idle_gaps_and_preemptions_takes_the_same_decisions(tmp_path):
-    d = Deployment(ModelSpec.from_model_config(TINY), get_hardware("cpu"),
+    d = Deployment(TINY, get_hardware("cpu"),
                    colocated=RoleConfig(max_num_batched_tokens=48, max_num_seqs=5, num_blocks=14), max_model_len=200)
     # bursts separated by idle periods, plus stragglers arriving mid-iteration
     arrivals = [0.0, 0.0, 0.001, 0.05, 0.0501, 0.2, 5.0, 5.0, 5.003, 9.0]
@@ -49,7 +49,7 @@ def test_replay_of_a_run_with_idle_gaps_and_preemptions_takes_the_same_decisions
 
 
 def test_replay_refuses_simulated_and_multi_worker_runs(tmp_path):
-    d = Deployment(ModelSpec.from_model_config(TINY), get_hardware("cpu"), num_replicas=2,
+    d = Deployment(TINY, get_hardware("cpu"), num_replicas=2,
                    colocated=RoleConfig(num_blocks=64), max_model_len=200)
     result = simulate(d, [SimRequest(f"r{i}", 30, 5, index=i) for i in range(4)])
     result.write(str(tmp_path))

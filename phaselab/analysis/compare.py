@@ -423,7 +423,7 @@ def auto_tp(model: Any, hardware: Any, num_gpus: int, dtype_bytes: int, utilizat
     weights = model.weight_bytes(dtype_bytes)
     tp = 1
     while tp <= num_gpus:
-        if model.num_heads % tp == 0 and weights / tp <= usable / 2:
+        if model.num_attention_heads % tp == 0 and weights / tp <= usable / 2:
             return tp
         tp *= 2
     raise ConfigError(f"{model.name} ({weights / 1e9:.0f} GB of weights) leaves less than half of each GPU for the KV "

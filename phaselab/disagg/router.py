@@ -160,8 +160,8 @@ class DisaggEngine:
         self._attempt_seq = 0
         self._boot_id = _boot_id()
 
-        from phaselab.model.loader import default_model_path
-        from phaselab.model.tokenizer import load_tokenizer
+        from phaselab.spec.bundled import default_model_path
+        from phaselab.spec.tokenizer import load_tokenizer
 
         if checkpoint is not None:
             self.tokenizer = checkpoint.tokenizer

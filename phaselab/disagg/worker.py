@@ -99,7 +99,7 @@ def checkpoint_from_wire(wire: dict[str, Any]) -> Any:
 
     import torch
 
-    from phaselab.model.loader import LoadedCheckpoint
+    from phaselab.model.checkpoint import LoadedCheckpoint
 
     weights = {}
     with warnings.catch_warnings():  # read-only object-store buffers: the engine only copies from them

@@ -35,13 +35,14 @@ from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.engine.runner import ModelRunner, kv_block_bytes
 from phaselab.errors import ConfigError, InvalidRequestError
+from phaselab.model.checkpoint import LoadedCheckpoint
 from phaselab.model.llama import LlamaForCausalLM
-from phaselab.model.loader import LoadedCheckpoint, load_checkpoint
+from phaselab.model.loader import load_checkpoint
 from phaselab.model.sampler import Sampler
-from phaselab.model.tokenizer import Tokenizer
 from phaselab.obs.cost import modeled_cost
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
+from phaselab.spec.tokenizer import Tokenizer
 
 logger = logging.getLogger("phaselab.engine")
 

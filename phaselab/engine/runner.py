@@ -14,9 +14,9 @@ import torch
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.model import kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq
-from phaselab.model.config import ModelConfig
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.sampler import Sampler
+from phaselab.spec.config import ModelConfig
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

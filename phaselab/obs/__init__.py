@@ -6,6 +6,7 @@ clock except `rundir.run_config`, which dates the config.json it writes. The rec
 into numbers, files and pictures.
 
     cost.modeled_cost(config, plan, dtype_bytes)    -> ModeledCost   (per iteration, MODELED)
+    cost.CostFormulas(config, dtype_bytes)             the same counts, factors computed once (the simulator)
     prometheus.EngineMetrics(labels)                  observe_iteration / observe_finished / render
     trace.build_trace(requests, iterations)         -> Chrome trace dict; validate_trace, write_trace
     rundir.write_run_dir(path, ...) / read_run_dir(path) -> RunData

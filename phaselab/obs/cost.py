@@ -1,5 +1,8 @@
 """Modeled cost of one iteration: bytes it must move and FLOPs it must compute.
 
+The one home of these formulas: the engine's and router's records (`modeled_cost`) and the
+simulator's pricing (`phaselab.sim.cost`, through `CostFormulas`) both count with them.
+
 MODELED, not measured: pure arithmetic over the model config and the plan, the "count first"
 floor of DESIGN.md section 7 (measured time / floor says how far a step is from the hardware).
 Formulas (T = tokens computed this iteration, L = layers, h = hidden, b = dtype bytes;
@@ -7,6 +10,7 @@ docs/metrics.md has the same with a worked example):
 
     weight_bytes   = b x (P - E + T x h)   untied embeddings (E = vocab x h: the lookup reads T rows)
                    = b x P                 tied (the LM head reads the whole table anyway)
+                     (a learned position table, OPT, is gathered the same way: T rows, not the table)
     kv_write_bytes = T x kv_bytes_per_token
     kv_read_bytes  = kv_bytes_per_token x sum over entries of
                         start + 1   one-token entry (decode): its whole context, incl. the K/V it wrote
@@ -21,18 +25,11 @@ once per iteration, the LM head included even in an iteration that samples no ro
 
 from __future__ import annotations
 
-from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
+from dataclasses import dataclass
+
+from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import ModeledCost
-from phaselab.model.config import ModelConfig
-
-
-def linear_macs_per_token_per_layer(config: ModelConfig) -> int:
-    """Multiply-accumulates of one token through one layer's projections (q, k, v, o, gate, up, down)."""
-    h = config.hidden_size
-    qkv = h * (config.q_size + 2 * config.kv_size)
-    o = config.q_size * h
-    mlp = 3 * h * config.intermediate_size
-    return qkv + o + mlp
+from phaselab.spec.config import ModelConfig
 
 
 def keys_attended(num_tokens: int, start_position: int) -> int:
@@ -42,38 +39,93 @@ def keys_attended(num_tokens: int, start_position: int) -> int:
     return n * s + n * (n + 1) // 2
 
 
-def kv_tokens_read(entry: ScheduledRequest) -> int:
-    """Cached tokens whose K/V this entry reads from memory."""
-    if entry.num_tokens == 1:
-        # a decode step (or a one-token chunk) attends through the cache, its own new K/V included
-        return entry.start_position + 1
-    # a multi-token chunk attends to its own tokens from the freshly computed K/V
-    return entry.start_position
+@dataclass(frozen=True)
+class PlanCounts:
+    """The plan reduced to what its cost depends on (cheap to build per iteration)."""
+
+    num_entries: int
+    num_chunks: int  # entries computing more than one token (prefill chunks)
+    num_tokens: int
+    num_sampled: int
+    kv_tokens_read: int  # cached tokens whose K/V are read
+    keys_attended: int  # sum over queries of the keys each attends (causal)
+    num_decodes: int = 0  # single-token entries
+    decode_keys: int = 0  # of keys_attended and kv_tokens_read: the decodes' (each its context)
+    chunks: tuple[tuple[int, int], ...] = ()  # (num_tokens, start_position) of each prefill chunk (its shape)
 
 
-def weight_bytes(config: ModelConfig, num_tokens: int, dtype_bytes: int) -> int:
-    params = config.num_parameters()
-    if not config.tie_word_embeddings:
-        # the untied embedding table is only gathered: T rows, not the table
-        params += num_tokens * config.hidden_size - config.vocab_size * config.hidden_size
-    return params * dtype_bytes
+def plan_counts(plan: SchedulerOutput) -> PlanCounts:
+    num_tokens = num_sampled = kv_read = keys = chunks = decodes = decode_keys = 0
+    shapes = []
+    for e in plan.scheduled:
+        n, s = len(e.token_ids), e.start_position
+        num_tokens += n
+        if e.sample:
+            num_sampled += 1
+        if n == 1:
+            kv_read += s + 1  # a decode attends through the cache, its own new K/V included
+            keys += s + 1
+            decodes += 1
+            decode_keys += s + 1
+        else:
+            chunks += 1
+            kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
+            keys += keys_attended(n, s)
+            shapes.append((n, s))
+    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys,
+                      tuple(shapes))
+
+
+def elementwise_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes one token moves through one layer's elementwise kernels on one GPU of a tensor-parallel
+    group of tp (not part of ModeledCost: the simulator prices it as its own term): two norms and two
+    residual adds on the full hidden state (replicated under TP), RoPE on q and k and the MLP's
+    activation on this GPU's shard. Each reads its inputs and writes its output once."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    norms = 2 * 2 * h  # read x, write y
+    adds = 2 * 3 * h  # read two, write one
+    rope = 2 * (c.q_size + c.kv_size) // tp  # read and write q, k
+    act = (3 * i if c.mlp_matrices == 3 else 2 * i) // tp  # gated: read gate and up, write one
+    return (norms + adds + rope + act) * dtype_bytes
+
+
+class CostFormulas:
+    """The module docstring's formulas for one model and dtype, their per-model factors computed once
+    (the simulator prices millions of iterations)."""
+
+    def __init__(self, config: ModelConfig, dtype_bytes: int) -> None:
+        c = config
+        self.config, self.dtype_bytes = c, dtype_bytes
+        self.kv_bytes_per_token = c.kv_bytes_per_token(dtype_bytes)
+        untied = 0 if c.tie_word_embeddings else 1
+        # an untied embedding table (and a learned position table) is only gathered: T rows each
+        self.gathered_params = (untied * c.vocab_size + c.learned_position_rows) * c.hidden_size
+        self.gathered_rows = untied + (1 if c.learned_position_rows else 0)
+        self.num_parameters = c.num_parameters()
+        self.linear_flops_per_token = 2 * c.num_hidden_layers * c.linear_macs_per_token_per_layer()
+        self.head_flops_per_row = 2 * c.hidden_size * c.vocab_size
+        self.attention_flops_per_key = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
+
+    def weight_bytes(self, num_tokens: int) -> int:
+        params = self.num_parameters - self.gathered_params + self.gathered_rows * num_tokens * self.config.hidden_size
+        return params * self.dtype_bytes
+
+    def of_counts(self, c: PlanCounts) -> ModeledCost:
+        if c.num_entries == 0:
+            return ModeledCost()  # nothing runs: no forward pass reads the weights
+        return ModeledCost(
+            weight_bytes=self.weight_bytes(c.num_tokens),
+            kv_read_bytes=self.kv_bytes_per_token * c.kv_tokens_read,
+            kv_write_bytes=self.kv_bytes_per_token * c.num_tokens,
+            matmul_flops=self.linear_flops_per_token * c.num_tokens + self.head_flops_per_row * c.num_sampled,
+            attention_flops=self.attention_flops_per_key * c.keys_attended,
+        )
+
+    def of_plan(self, plan: SchedulerOutput) -> ModeledCost:
+        return self.of_counts(plan_counts(plan))
 
 
 def modeled_cost(config: ModelConfig, plan: SchedulerOutput, dtype_bytes: int) -> ModeledCost:
     """The modeled bytes and FLOPs of executing `plan` once (see the module docstring)."""
-    entries = plan.scheduled
-    if not entries:
-        return ModeledCost()  # nothing runs: no forward pass reads the weights
-    num_tokens = sum(e.num_tokens for e in entries)
-    num_sampled = sum(1 for e in entries if e.sample)
-    kv_per_token = config.kv_bytes_per_token(dtype_bytes)
-    layers = config.num_hidden_layers
-    return ModeledCost(
-        weight_bytes=weight_bytes(config, num_tokens, dtype_bytes),
-        kv_read_bytes=kv_per_token * sum(kv_tokens_read(e) for e in entries),
-        kv_write_bytes=kv_per_token * num_tokens,
-        matmul_flops=2 * num_tokens * layers * linear_macs_per_token_per_layer(config)
-        + 2 * num_sampled * config.hidden_size * config.vocab_size,
-        attention_flops=layers * 4 * config.num_attention_heads * config.head_dim
-        * sum(keys_attended(e.num_tokens, e.start_position) for e in entries),
-    )
+    return CostFormulas(config, dtype_bytes).of_plan(plan)

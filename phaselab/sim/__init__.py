@@ -2,7 +2,8 @@
 
     workload.py    SimRequest; the bench's generators and seeds (random, shared-prefix, interference, trace)
     catalog.py     HardwareSpec (A100, H100, H200, this CPU), LinkSpec (NVLink 3/4, PCIe 4/5, IB HDR/NDR,
-                   25/100 GbE), ModelSpec (Llama family, OPT, any config.json); every figure with its source
+                   25/100 GbE), MODELS as spec.config.ModelConfig (Llama family, OPT, any config.json); every
+                   figure with its source
     catalog_files.py  a device or link from a JSON file (documented schema, errors naming the field)
     efficiency.py  bounded efficiency curves: GEMM by tokens, attention by query rows and keys, K/V by context
     cost.py        RooflineCostModel.predict(plan) -> IterationCost: roofline per operator class + overheads
@@ -20,6 +21,6 @@
     report.py      summaries: TTFT, TPOT, TBT, queue, transfer share; SLO attainment
     cli.py         `phaselab simulate run | replay | calibrate | fit | search | catalog`
 
-Imports `core`, `obs`, `model.config` (pure data) and the bench's workload generators; never torch
+Imports `core`, `obs`, `spec` (the torch-free model description) and the bench's workload generators; never torch
 or `phaselab.engine` (a test runs a simulation in a fresh interpreter and checks).
 """

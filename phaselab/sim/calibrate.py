@@ -31,17 +31,18 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import Any
 
 import numpy as np
 
 from phaselab.core.timing import IterationRecord
-from phaselab.model.config import ModelConfig
+from phaselab.obs.cost import CostFormulas, keys_attended
 from phaselab.obs.rundir import read_run_dir
-from phaselab.sim.catalog import HardwareSpec, ModelSpec, get_hardware
+from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.cost import CostParams, default_params
+from phaselab.spec.config import ModelConfig
 
 COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "a_att_d", "m_kv")
 EFFICIENCY_COLUMNS = ("a_lin", "m_mem", "a_att", "a_att_d", "m_kv")  # 1 / an efficiency
@@ -118,12 +119,12 @@ def iteration_cycles(iterations: list[IterationRecord]) -> list[int]:
     return cycles
 
 
-def _features(iterations: list[IterationRecord], model: ModelSpec, hw: HardwareSpec, dtype_bytes: int
+def _features(iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec, dtype_bytes: int
               ) -> dict[str, np.ndarray]:
     """Per iteration: the raw quantities each column of the linear model multiplies (the attention
     of prefill chunks and of decodes apart, from the recorded chunks: they run different kernels)."""
-    kv_per_token = model.kv_bytes_per_token(dtype_bytes)
-    flops_per_key = 4 * model.num_layers * model.num_heads * model.head_dim
+    formulas = CostFormulas(model, dtype_bytes)
+    kv_per_token, flops_per_key = formulas.kv_bytes_per_token, formulas.attention_flops_per_key
     keys = ("n", "nc", "T", "lin_c", "lin_m", "att_c", "att_m", "att_c_d", "att_m_d")
     f: dict[str, list[float]] = {k: [] for k in keys}
     for rec in iterations:
@@ -141,7 +142,7 @@ def _features(iterations: list[IterationRecord], model: ModelSpec, hw: HardwareS
             else:  # a chunk attends causally to the prefix and itself, reads the prefix, writes n tokens
                 nc += 1
                 s = ctx - n
-                keys_p += n * s + n * (n + 1) // 2
+                keys_p += keys_attended(n, s)
                 kv_p += s + n
         f["nc"].append(nc)
         f["att_c"].append(flops_per_key * keys_p / hw.peak_flops)
@@ -232,7 +233,7 @@ def _alternate(f: dict[str, np.ndarray], y: np.ndarray, scale: np.ndarray, pinne
     return best
 
 
-def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model: ModelSpec, hw: HardwareSpec,
+def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model: ModelConfig, hw: HardwareSpec,
                dtype_bytes: int, label: str, start: CostParams | None = None, max_rounds: int = 30,
                weighting: str = "sqrt", fixed: dict[str, float] | None = None) -> Fit:
     """Fit CostParams to (iteration, measured time) pairs (module docstring).
@@ -249,7 +250,7 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
     y = np.asarray(measured_ns, dtype=float) / 1e9
     scale = {"relative": y, "sqrt": np.sqrt(y * y.mean()), "absolute": np.full_like(y, y.mean())}[weighting]
     start = start or default_params(hw)
-    x0 = _to_x(start, model.num_layers)
+    x0 = _to_x(start, model.num_hidden_layers)
     for name, value in pinned.items():
         x0[COLUMNS.index(name)] = value
     _, b0 = _predict(x0, f)
@@ -331,25 +332,25 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
                  "token_overhead_s": "not fitted: per-token time is the roofline's (it would absorb GEMM compute)",
                  "allreduce_latency_s": start.source("allreduce_latency_s")})
     # the error of what the simulator will predict with these parameters
-    pred, _ = _predict(_to_x(params, model.num_layers), f)
+    pred, _ = _predict(_to_x(params, model.num_hidden_layers), f)
     return Fit(params, dict(zip(COLUMNS, (float(v) for v in x))), len(y), ((pred - y) / y).tolist(),
                float(y.sum()), float(pred.sum()))
 
 
-def predict_iterations(params: CostParams, iterations: list[IterationRecord], model: ModelSpec, hw: HardwareSpec,
+def predict_iterations(params: CostParams, iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec,
                        dtype_bytes: int) -> np.ndarray:
     """Seconds the cost model predicts for each recorded iteration, from its modeled counts."""
     f = _features(iterations, model, hw, dtype_bytes)
-    pred, _ = _predict(_to_x(params, model.num_layers), f)
+    pred, _ = _predict(_to_x(params, model.num_hidden_layers), f)
     return pred
 
 
-def run_model(config: dict[str, Any]) -> tuple[ModelSpec, int]:
+def run_model(config: dict[str, Any]) -> tuple[ModelConfig, int]:
     """The model and dtype bytes a run directory's config.json describes."""
-    mc = dict(config["model"]["config"])
-    mc["eos_token_ids"] = tuple(mc.get("eos_token_ids") or ())
+    model = ModelConfig.from_dict(config["model"]["config"])
+    model = replace(model, name=model.name or model.architecture, sources={"*": "the run's ModelConfig (config.json)"})
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(config.get("dtype")), 2)
-    return ModelSpec.from_model_config(ModelConfig(**mc)), dtype_bytes
+    return model, dtype_bytes
 
 
 def calibrate(path: str | PathLike[str], hardware: str = "cpu", weighting: str = "sqrt") -> tuple[Fit, HardwareSpec]:

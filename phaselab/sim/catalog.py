@@ -3,8 +3,8 @@
     HardwareSpec  one accelerator (or this CPU): peak dense FLOP/s, memory bandwidth, memory size,
                   the link its tensor-parallel group uses, and the default cost parameters
     LinkSpec      one interconnect: bandwidth per direction, latency, whether it scales with GPUs
-    ModelSpec     what the cost and KV models need of an architecture (Llama family, OPT, any
-                  Hugging Face config.json): layers, widths, heads, KV heads, MLP shape, biases
+    MODELS        models as phaselab.spec.config.ModelConfig, the engine's own type (Llama family,
+                  OPT, any Hugging Face config.json): layers, widths, heads, KV heads, MLP shape, biases
 
 Every number carries where it came from in `sources` (field name -> "datasheet: ...",
 "measured: ...", "fitted on run ...", "default: ..."); `source_of(spec, field)` reads it, and a
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from phaselab.errors import ConfigError, UnsupportedModelError
-from phaselab.model.config import ModelConfig
+from phaselab.spec.config import ModelConfig
 
 GiB = 2**30
 
@@ -148,102 +148,11 @@ def _lookup(table: dict[str, Any], aliases: dict[str, str], name: str, kind: str
 
 
 # -- models ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the cost and KV models need of a decoder-only transformer.
-
-    Llama family (Llama 2/3, Mistral, Yi, Qwen2): gated MLP (gate, up, down: 3 matrices), RMSNorm,
-    RoPE, grouped-query attention. OPT: multi-head attention (kv heads = heads), plain MLP (fc1,
-    fc2: 2 matrices, ReLU), LayerNorm with bias, biases on every linear layer, learned absolute
-    positions (a table of max_position_embeddings + 2 rows), tied embeddings.
-    """
-
-    name: str
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    mlp_matrices: int = 3  # 3: gated (gate, up, down); 2: plain (fc1, fc2)
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False  # q/k/v carry a bias (Qwen2)
-    linear_bias: bool = False  # every linear layer carries a bias (OPT)
-    norm: str = "rms"  # "rms" (weight) | "layer" (weight + bias)
-    learned_position_rows: int = 0  # rows of a learned position table (OPT: max positions + 2); 0: RoPE
-    max_position_embeddings: int = 4096
-    sources: dict[str, str] = field(default_factory=dict, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise UnsupportedModelError(
-                f"{self.name}: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of one token over all layers: 2 x layers x kv_heads x head_dim x bytes."""
-        return 2 * self.num_layers * self.kv_size * dtype_bytes
-
-    def kv_bytes_per_token_per_gpu(self, dtype_bytes: int, tp: int) -> int:
-        """Under tensor parallelism the KV heads split over the GPUs; with fewer KV heads than
-        GPUs each head is replicated (vLLM's rule), so a GPU holds at least one."""
-        heads = max(1, self.num_kv_heads // tp)
-        return 2 * self.num_layers * heads * self.head_dim * dtype_bytes
-
-    def linear_macs_per_token_per_layer(self) -> int:
-        """Multiply-accumulates of one token through one layer's projections."""
-        h = self.hidden_size
-        return h * (self.q_size + 2 * self.kv_size) + self.q_size * h + self.mlp_matrices * h * self.intermediate_size
-
-    def num_parameters(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        norm = h if self.norm == "rms" else 2 * h
-        per_layer = self.linear_macs_per_token_per_layer() + 2 * norm
-        if self.linear_bias:
-            per_layer += self.q_size + 2 * self.kv_size + h + (self.mlp_matrices - 1) * i + h
-        elif self.qkv_bias:
-            per_layer += self.q_size + 2 * self.kv_size
-        emb = self.vocab_size * h
-        return (self.num_layers * per_layer + emb + (0 if self.tie_word_embeddings else emb)
-                + self.learned_position_rows * h + norm)
-
-    def weight_bytes(self, dtype_bytes: int = 2) -> int:
-        return self.num_parameters() * dtype_bytes
-
-    def describe(self) -> str:
-        attn = "MHA" if self.num_kv_heads == self.num_heads else f"GQA {self.num_heads}/{self.num_kv_heads}"
-        return (f"{self.name}: {self.num_parameters() / 1e9:.2f}B parameters, {self.num_layers} layers, hidden "
-                f"{self.hidden_size}, {attn} x {self.head_dim}, "
-                f"{'gated ' if self.mlp_matrices == 3 else ''}MLP {self.intermediate_size}, vocab {self.vocab_size}")
-
-    @classmethod
-    def from_model_config(cls, config: ModelConfig, name: str | None = None) -> ModelSpec:
-        """The spec of a model the engine runs (counts agree with phaselab.obs.cost)."""
-        return cls(
-            name=name or config.name or config.architecture, architecture=config.architecture,
-            num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
-            head_dim=config.head_dim, intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-            tie_word_embeddings=config.tie_word_embeddings, qkv_bias=config.attention_bias,
-            max_position_embeddings=config.max_position_embeddings,
-            sources={"*": "the engine's ModelConfig"},
-        )
-
-
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "yi", "gemma", "internlm2", "deepseek")
 
 
-def model_from_hf_config(d: dict[str, Any], name: str = "") -> ModelSpec:
-    """A ModelSpec from a Hugging Face config.json dict: OPT, the Llama family, and any decoder
+def model_from_hf_config(d: dict[str, Any], name: str = "") -> ModelConfig:
+    """A ModelConfig for the simulator from a Hugging Face config.json dict: OPT, the Llama family, and any decoder
     whose config names hidden_size / num_hidden_layers / num_attention_heads /
     intermediate_size (a gated MLP is assumed then, and said so in `sources`)."""
     model_type = str(d.get("model_type", "")).lower()
@@ -257,9 +166,10 @@ def model_from_hf_config(d: dict[str, Any], name: str = "") -> ModelSpec:
             if int(d.get("word_embed_proj_dim", h)) != h:
                 source += " (word_embed_proj_dim differs: its small projections are not counted)"
             max_pos = int(d.get("max_position_embeddings", 2048))
-            return ModelSpec(
-                name=name, architecture="opt", num_layers=int(d["num_hidden_layers"]), hidden_size=h,
-                num_heads=heads, num_kv_heads=heads, head_dim=h // heads, intermediate_size=int(d["ffn_dim"]),
+            return ModelConfig(
+                name=name, architecture="opt", num_hidden_layers=int(d["num_hidden_layers"]), hidden_size=h,
+                num_attention_heads=heads, num_key_value_heads=heads, head_dim=h // heads,
+                intermediate_size=int(d["ffn_dim"]),
                 vocab_size=int(d["vocab_size"]), mlp_matrices=2,
                 tie_word_embeddings=bool(d.get("tie_word_embeddings", True)),
                 linear_bias=bool(d.get("enable_bias", True)), norm="layer", learned_position_rows=max_pos + 2,
@@ -270,12 +180,12 @@ def model_from_hf_config(d: dict[str, Any], name: str = "") -> ModelSpec:
                                                   for a in archs)
         if not known:
             source += f" (model_type {model_type!r} not in the catalog's families: gated MLP and RMSNorm assumed)"
-        return ModelSpec(
-            name=name, architecture=model_type or "llama", num_layers=int(d["num_hidden_layers"]), hidden_size=h,
-            num_heads=heads, num_kv_heads=int(d.get("num_key_value_heads") or heads),
+        return ModelConfig(
+            name=name, architecture=model_type or "llama", num_hidden_layers=int(d["num_hidden_layers"]),
+            hidden_size=h, num_attention_heads=heads, num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or h // heads), intermediate_size=int(d["intermediate_size"]),
             vocab_size=int(d["vocab_size"]), tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=bool(d.get("attention_bias", model_type == "qwen2")),
+            attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)), sources={"*": source})
     except KeyError as e:
         raise UnsupportedModelError(
@@ -284,19 +194,22 @@ def model_from_hf_config(d: dict[str, Any], name: str = "") -> ModelSpec:
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, inter: int, vocab: int, max_pos: int,
-           source: str, tie: bool = False, qkv_bias: bool = False, arch: str = "llama") -> ModelSpec:
-    return ModelSpec(name, arch, layers, hidden, heads, kv_heads, hidden // heads, inter, vocab,
-                     tie_word_embeddings=tie, qkv_bias=qkv_bias, max_position_embeddings=max_pos,
-                     sources={"*": source})
+           source: str, tie: bool = False, qkv_bias: bool = False, arch: str = "llama") -> ModelConfig:
+    return ModelConfig(name=name, architecture=arch, num_hidden_layers=layers, hidden_size=hidden,
+                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                       intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tie, attention_bias=qkv_bias,
+                       max_position_embeddings=max_pos, sources={"*": source})
 
 
-def _opt(name: str, layers: int, hidden: int, heads: int, vocab: int = 50272) -> ModelSpec:
-    return ModelSpec(name, "opt", layers, hidden, heads, heads, hidden // heads, 4 * hidden, vocab, mlp_matrices=2,
-                     tie_word_embeddings=True, linear_bias=True, norm="layer", learned_position_rows=2050,
-                     max_position_embeddings=2048, sources={"*": f"config.json of facebook/{name}"})
+def _opt(name: str, layers: int, hidden: int, heads: int, vocab: int = 50272) -> ModelConfig:
+    return ModelConfig(name=name, architecture="opt", num_hidden_layers=layers, hidden_size=hidden,
+                       num_attention_heads=heads, num_key_value_heads=heads, head_dim=hidden // heads,
+                       intermediate_size=4 * hidden, vocab_size=vocab, mlp_matrices=2, tie_word_embeddings=True,
+                       linear_bias=True, norm="layer", learned_position_rows=2050, max_position_embeddings=2048,
+                       sources={"*": f"config.json of facebook/{name}"})
 
 
-MODELS: dict[str, ModelSpec] = {m.name: m for m in (
+MODELS: dict[str, ModelConfig] = {m.name: m for m in (
     _llama("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, "config.json of meta-llama/Meta-Llama-3-8B"),
     _llama("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, "config.json of meta-llama/Meta-Llama-3-70B"),
     _llama("llama-2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, "config.json of meta-llama/Llama-2-70b-hf"),
@@ -315,7 +228,7 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
 )}
 
 
-def get_model(name: str) -> ModelSpec:
+def get_model(name: str) -> ModelConfig:
     return _lookup(MODELS, {"llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b", "llama2-70b": "llama-2-70b",
                             "yi-34": "yi-34b", "qwen2-72": "qwen2-72b"}, name, "model")
 

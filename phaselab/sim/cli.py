@@ -22,7 +22,8 @@ import sys
 from typing import Any
 
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, ModelSpec, get_hardware, get_model, model_from_hf_config
+from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, get_hardware, get_model, model_from_hf_config
+from phaselab.spec.config import ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
 
@@ -187,7 +188,7 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 # -- building blocks from arguments -------------------------------------------------------------------------
-def resolve_model(name: str) -> ModelSpec:
+def resolve_model(name: str) -> ModelConfig:
     path = os.path.join(name, "config.json") if os.path.isdir(name) else name
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:

@@ -17,9 +17,8 @@
 The roofline `max(compute / (peak x efficiency(shape)), bytes / (bandwidth x efficiency(shape)))` is
 applied per operator class and the classes are summed: within each layer the projections and the
 attention run one after the other, and in a mixed (chunked) batch the projections can be
-compute-bound while the decodes' attention is bandwidth-bound. Counts are those of
-`phaselab.obs.cost` (docs/metrics.md), generalised to OPT-style models by `ModelSpec`; for a
-Llama-family model `modeled_cost` here equals `phaselab.obs.cost.modeled_cost` field for field.
+compute-bound while the decodes' attention is bandwidth-bound. The counts (FLOPs, weight and KV
+bytes) are `phaselab.obs.cost`'s formulas (docs/metrics.md), the same ones the engine's records use.
 
 Every parameter carries its source (`CostParams.sources`): the GPU defaults are fits of Vidur's
 operator profiles (phaselab/sim/fit.py; attention assumed, said so), this CPU's a calibration on a
@@ -35,9 +34,12 @@ from typing import Any
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import ModeledCost
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import HardwareSpec, LinkSpec, ModelSpec
+from phaselab.obs.cost import (CostFormulas, PlanCounts, elementwise_bytes_per_token_layer, keys_attended,
+                               plan_counts)
+from phaselab.sim.catalog import HardwareSpec, LinkSpec
 from phaselab.sim.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
                                      check_efficiency, gemm_efficiency, kv_read_efficiency)
+from phaselab.spec.config import ModelConfig
 
 NS = 1_000_000_000
 
@@ -202,67 +204,13 @@ class IterationCost:
     modeled: ModeledCost = field(default_factory=ModeledCost)
 
 
-@dataclass(frozen=True)
-class PlanCounts:
-    """The plan reduced to what the cost depends on (cheap to build per iteration)."""
-
-    num_entries: int
-    num_chunks: int  # entries computing more than one token (prefill chunks)
-    num_tokens: int
-    num_sampled: int
-    kv_tokens_read: int  # cached tokens whose K/V are read
-    keys_attended: int  # sum over queries of the keys each attends (causal)
-    num_decodes: int = 0  # single-token entries
-    decode_keys: int = 0  # of keys_attended and kv_tokens_read: the decodes' (each its context)
-    chunks: tuple[tuple[int, int], ...] = ()  # (num_tokens, start_position) of each prefill chunk
-
-
-def plan_counts(plan: SchedulerOutput) -> PlanCounts:
-    num_tokens = num_sampled = kv_read = keys = chunks = decodes = decode_keys = 0
-    shapes = []
-    for e in plan.scheduled:
-        n, s = len(e.token_ids), e.start_position
-        num_tokens += n
-        if e.sample:
-            num_sampled += 1
-        if n == 1:
-            kv_read += s + 1  # a decode attends through the cache, its own new K/V included
-            keys += s + 1
-            decodes += 1
-            decode_keys += s + 1
-        else:
-            chunks += 1
-            kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
-            keys += n * s + n * (n + 1) // 2
-            shapes.append((n, s))
-    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys,
-                      tuple(shapes))
-
-
-def elementwise_bytes_per_token_layer(m: ModelSpec, dtype_bytes: int, tp: int) -> int:
-    """Bytes one token moves through one layer's elementwise kernels on one GPU: two norms and two
-    residual adds on the full hidden state (replicated under TP), RoPE on q and k and the MLP's
-    activation on this GPU's shard. Each reads its inputs and writes its output once."""
-    h, i = m.hidden_size, m.intermediate_size
-    norms = 2 * 2 * h  # read x, write y
-    adds = 2 * 3 * h  # read two, write one
-    rope = 2 * (m.q_size + m.kv_size) // tp  # read and write q, k
-    act = (3 * i if m.mlp_matrices == 3 else 2 * i) // tp  # gated: read gate and up, write one
-    return (norms + adds + rope + act) * dtype_bytes
-
-
-def chunk_keys(n: int, s: int) -> int:
-    """Keys the n queries of a chunk at position s attend, causally: the prefix and itself."""
-    return n * s + n * (n + 1) // 2
-
-
 def prefill_attention_shape(shapes: tuple[tuple[int, int], ...], q_half: float, k_half: float) -> float:
     """sum over chunks of keys_c / shape_factor(q_c, mean keys_c): the keys, each weighted by 1 / how far
     below its best its call runs (efficiency.attention_efficiency without e_att). Equals the keys when
     the curve is flat, so the attention time stays linear in 1 / e_att (what calibrate fits)."""
     total = 0.0
     for n, s in shapes:
-        keys = chunk_keys(n, s)
+        keys = keys_attended(n, s)
         total += keys / attention_efficiency(n, keys / n, 1.0, q_half, k_half)
     return total
 
@@ -270,60 +218,44 @@ def prefill_attention_shape(shapes: tuple[tuple[int, int], ...], q_half: float, 
 class RooflineCostModel:
     """Predicts an iteration's duration on one instance of `tp` devices (module docstring)."""
 
-    def __init__(self, model: ModelSpec, hardware: HardwareSpec, params: CostParams | None = None,
+    def __init__(self, model: ModelConfig, hardware: HardwareSpec, params: CostParams | None = None,
                  tp: int = 1, dtype_bytes: int = 2, tp_link: LinkSpec | None = None) -> None:
         if tp < 1:
             raise ConfigError(f"tensor parallelism tp={tp} must be >= 1")
-        if tp > 1 and model.num_heads % tp:
-            raise ConfigError(f"{model.name}: {model.num_heads} attention heads do not split over tp={tp} GPUs")
+        if tp > 1 and model.num_attention_heads % tp:
+            raise ConfigError(f"{model.name}: {model.num_attention_heads} attention heads do not split over "
+                              f"tp={tp} GPUs; pick a tp that divides them")
         self.model, self.hardware, self.tp, self.dtype_bytes = model, hardware, tp, dtype_bytes
         self.params = params or default_params(hardware)
         self.tp_link = tp_link
         m, p, b = model, self.params, dtype_bytes
-        self._kv_per_token = m.kv_bytes_per_token(b)  # whole instance
+        self.formulas = CostFormulas(m, b)  # the whole instance's modeled counts
         self._kv_per_token_gpu = m.kv_bytes_per_token_per_gpu(b, tp)
-        self._params_total = m.num_parameters()
-        # an untied embedding table (and a learned position table) is only gathered: T rows each
-        self._gathered = m.vocab_size * m.hidden_size * (0 if m.tie_word_embeddings else 1) + \
-            m.learned_position_rows * m.hidden_size
-        self._gathered_rows = (0 if m.tie_word_embeddings else 1) + (1 if m.learned_position_rows else 0)
-        self._lin_flops_per_token = 2 * m.num_layers * m.linear_macs_per_token_per_layer()
-        self._head_flops_per_row = 2 * m.hidden_size * m.vocab_size
-        self._attn_flops_per_key = 4 * m.num_layers * m.num_heads * m.head_dim
+        self._attn_flops_per_key = self.formulas.attention_flops_per_key
         self._peak = hardware.peak_flops
         self._bw = hardware.mem_bandwidth * p.memory_efficiency
         self._bw_kv = hardware.mem_bandwidth * p.kv_efficiency
-        self._fixed = p.iteration_overhead_s + m.num_layers * p.layer_overhead_s
+        self._fixed = p.iteration_overhead_s + m.num_hidden_layers * p.layer_overhead_s
         # norms, RoPE, activation, residual adds: read and written once per token per layer, per GPU
-        self._elementwise_bytes_per_token = m.num_layers * elementwise_bytes_per_token_layer(m, b, tp) \
+        self._elementwise_bytes_per_token = m.num_hidden_layers * elementwise_bytes_per_token_layer(m, b, tp) \
             if p.elementwise_efficiency else 0
         self._bw_elementwise = hardware.mem_bandwidth * (p.elementwise_efficiency or 1.0)
         # a decode's queries of one KV head form one tile (GQA packing): its attention call's query rows
-        self._decode_q_rows = m.num_heads // m.num_kv_heads
+        self._decode_q_rows = m.num_attention_heads // m.num_key_value_heads
         if tp > 1:
             if tp_link is None:
                 raise ConfigError("tp > 1 needs the link of the tensor-parallel group")
             # two all-reduces per layer (after attention's output projection and after the MLP), of the
             # T x hidden activations, ring-priced from the TP link (efficiency.ring_allreduce_time)
             ring = 2 * (tp - 1) / tp / (tp_link.bandwidth * p.allreduce_efficiency)
-            self._ar_fixed = 2 * m.num_layers * p.allreduce_latency_s
-            self._ar_per_token = 2 * m.num_layers * ring * m.hidden_size * dtype_bytes
+            self._ar_fixed = 2 * m.num_hidden_layers * p.allreduce_latency_s
+            self._ar_per_token = 2 * m.num_hidden_layers * ring * m.hidden_size * dtype_bytes
         else:
             self._ar_fixed = self._ar_per_token = 0.0
 
     def modeled_cost(self, c: PlanCounts) -> ModeledCost:
         """The whole instance's modeled bytes and FLOPs (phaselab.obs.cost's formulas)."""
-        if c.num_entries == 0:
-            return ModeledCost()
-        hidden = self.model.hidden_size
-        return ModeledCost(
-            weight_bytes=(self._params_total - self._gathered + self._gathered_rows * c.num_tokens * hidden)
-            * self.dtype_bytes,
-            kv_read_bytes=self._kv_per_token * c.kv_tokens_read,
-            kv_write_bytes=self._kv_per_token * c.num_tokens,
-            matmul_flops=self._lin_flops_per_token * c.num_tokens + self._head_flops_per_row * c.num_sampled,
-            attention_flops=self._attn_flops_per_key * c.keys_attended,
-        )
+        return self.formulas.of_counts(c)
 
     def predict(self, plan: SchedulerOutput) -> IterationCost:
         return self.predict_counts(plan_counts(plan))

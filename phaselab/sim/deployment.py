@@ -17,8 +17,9 @@ from typing import Any
 
 from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import GiB, HardwareSpec, LinkSpec, ModelSpec, get_link
+from phaselab.sim.catalog import GiB, HardwareSpec, LinkSpec, get_link
 from phaselab.sim.cost import CostParams, default_params
+from phaselab.spec.config import ModelConfig
 
 MODES = ("colocated", "disagg")
 TRANSFER_MODES = ("after-prefill", "layer-by-layer")
@@ -41,7 +42,7 @@ class RoleConfig:
 
 @dataclass(frozen=True)
 class Deployment:
-    model: ModelSpec
+    model: ModelConfig
     hardware: HardwareSpec
     mode: str = "colocated"
     num_replicas: int = 1  # colocated

@@ -29,10 +29,11 @@ from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import IterationRecord
 from phaselab.errors import PhaselabError
-from phaselab.model.config import ModelConfig
+from phaselab.obs.cost import plan_counts
 from phaselab.obs.rundir import RunData, read_run_dir
-from phaselab.sim.catalog import ModelSpec, get_hardware
-from phaselab.sim.cost import IterationCost, RooflineCostModel, plan_counts
+from phaselab.sim.calibrate import run_model
+from phaselab.sim.catalog import get_hardware
+from phaselab.sim.cost import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import SimResult, Simulator
 from phaselab.sim.workload import ArrivalSpec, SimRequest
@@ -111,10 +112,7 @@ def replay_inputs(data: RunData) -> tuple[Deployment, list[SimRequest], list[int
     sched = SchedulerConfig(**cfg["scheduler"])
     cache = cfg["cache"]
     cache_cfg = CacheConfig(cache["block_size"], cache["num_blocks"], cache["enable_prefix_caching"])
-    mc = dict(cfg["model"]["config"])
-    mc["eos_token_ids"] = tuple(mc.get("eos_token_ids") or ())
-    model = ModelSpec.from_model_config(ModelConfig(**mc))
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("dtype")), 2)
+    model, dtype_bytes = run_model(cfg)
     rc = RoleConfig(tp=1, policy=sched.policy, max_num_batched_tokens=sched.max_num_batched_tokens,
                     max_num_seqs=sched.max_num_seqs, long_prefill_token_threshold=sched.long_prefill_token_threshold,
                     max_num_partial_prefills=sched.max_num_partial_prefills, num_blocks=cache_cfg.num_blocks)

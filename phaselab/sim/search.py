@@ -29,12 +29,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import HardwareSpec, ModelSpec
+from phaselab.sim.catalog import HardwareSpec
 from phaselab.sim.cost import CostParams
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.report import percentile, slo_attainment
 from phaselab.sim.workload import ArrivalSpec, SimRequest, random_requests
+from phaselab.spec.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ class SearchResult:
                 "best": best.to_json() if best else None, "candidates": [c.to_json() for c in self.ranked()]}
 
 
-def candidates(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, modes: Sequence[str] = ("colocated", "disagg"),
+def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int,
+               modes: Sequence[str] = ("colocated", "disagg"),
                tps: Sequence[int] = (1, 2, 4, 8), budgets: Sequence[int] = (512, 2048),
                policies: Sequence[str] = ("chunked", "prefill-first"), max_pool: int = 4,
                params: CostParams | None = None, base: dict[str, Any] | None = None,
@@ -127,7 +129,7 @@ def candidates(model: ModelSpec, hardware: HardwareSpec, max_gpus: int, modes: S
     prefill_policies: the prefill pool's scheduling (chunked with each budget, or prefill-first)."""
     base, role = base or {}, role or {}
     out: list[Deployment] = []
-    tps = [t for t in tps if t <= max_gpus and model.num_heads % t == 0]
+    tps = [t for t in tps if t <= max_gpus and model.num_attention_heads % t == 0]
 
     def fits(d: Deployment) -> bool:
         try:

@@ -30,6 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from phaselab.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from phaselab.spec.gguf import is_gguf_file, open_gguf, read_metadata
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -219,7 +220,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """From a GGUF's metadata (key -> value, arrays as lists; see gguf_loader.read_metadata).
+        """From a GGUF's metadata (key -> value, arrays as lists; see phaselab.spec.gguf.read_metadata).
 
         Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are rebuilt. A
         SentencePiece vocabulary ("llama") is refused rather than approximated: its space and
@@ -286,9 +287,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     """
     if not os.path.exists(path):
         raise ModelNotFoundError(f"tokenizer path {path!r} does not exist")
-    if os.path.isfile(path) and (path.endswith(".gguf") or _has_gguf_magic(path)):
-        from phaselab.model.gguf_loader import load_gguf_tokenizer
-
+    if os.path.isfile(path) and (path.endswith(".gguf") or is_gguf_file(path)):
         return load_gguf_tokenizer(path)
     if os.path.isdir(path):
         directory, tokenizer_json = path, os.path.join(path, "tokenizer.json")
@@ -310,9 +309,9 @@ def load_tokenizer(path: str) -> Tokenizer:
     return Tokenizer.from_file(tokenizer_json, config)
 
 
-def _has_gguf_magic(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+def load_gguf_tokenizer(path: str) -> Tokenizer:
+    """The tokenizer stored in a GGUF's metadata (no tensors are read, no torch imported)."""
+    return Tokenizer.from_gguf(read_metadata(open_gguf(path)))
 
 
 def _read_text(path: str) -> str | None:
