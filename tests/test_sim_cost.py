@@ -208,3 +208,5 @@ def test_plan_counts():
     c = plan_counts(plan_of([(4, 3, False), (7, 1, True), (2, 1, True)]))
     assert (c.num_entries, c.num_tokens, c.num_sampled) == (3, 5, 2)
     assert c.kv_tokens_read == 4 + 8 + 3 and c.keys_attended == 18 + 8 + 3  # docs/metrics.md's worked example
+    # the chunk's shape (tokens, start) for the attention efficiency curve; decodes are counted, not listed
+    assert c.chunks == ((3, 4),) and (c.num_chunks, c.num_decodes, c.decode_keys) == (1, 2, 8 + 3)
