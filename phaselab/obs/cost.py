@@ -76,18 +76,27 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
                       tuple(shapes))
 
 
-def elementwise_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes one token moves through one layer's elementwise kernels on one GPU of a tensor-parallel
-    group of tp (not part of ModeledCost: the simulator prices it as its own term): two norms and two
-    residual adds on the full hidden state (replicated under TP), RoPE on q and k and the MLP's
-    activation on this GPU's shard. Each reads its inputs and writes its output once."""
+def elementwise_elements_per_token(config: ModelConfig, tp: int = 1) -> dict[str, int]:
+    """Elements one token reads and writes in each elementwise kernel of one layer, on one GPU of a
+    tensor-parallel group of tp (not part of ModeledCost: the simulator prices them as their own term,
+    and its profile reader counts Vidur's per-kernel timings with them). Norms and the residual add
+    work on the full hidden state (replicated under TP); RoPE on this GPU's q and k heads (KV heads
+    replicated when fewer than tp), the MLP's activation on its shard. "add" is one of the layer's two."""
     c = config
     h, i = c.hidden_size, c.intermediate_size
-    norms = 2 * 2 * h  # read x, write y
-    adds = 2 * 3 * h  # read two, write one
-    rope = 2 * (c.q_size + c.kv_size) // tp  # read and write q, k
-    act = (3 * i if c.mlp_matrices == 3 else 2 * i) // tp  # gated: read gate and up, write one
-    return (norms + adds + rope + act) * dtype_bytes
+    q = c.num_attention_heads * c.head_dim // tp
+    kv = max(1, c.num_key_value_heads // tp) * c.head_dim
+    return {"input_layernorm": 2 * h, "post_attention_layernorm": 2 * h,  # read x, write y
+            "attn_rope": 2 * (q + kv),  # read and write q, k
+            "mlp_act": (3 if c.mlp_matrices == 3 else 2) * i // tp,  # gated: read gate and up, write one
+            "add": 3 * h}  # read two, write one
+
+
+def elementwise_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes one token moves through one layer's elementwise kernels on one GPU: two norms, RoPE, the
+    activation and two residual adds (elementwise_elements_per_token), each read and written once."""
+    e = elementwise_elements_per_token(config, tp)
+    return (sum(e.values()) + e["add"]) * dtype_bytes
 
 
 class CostFormulas:
