@@ -28,13 +28,11 @@ to the max. Times drift on a shared machine; compare modes within one run.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -49,54 +47,36 @@ from phaselab.core.sampling_params import SamplingParams  # noqa: E402
 from phaselab.core.timing import RequestMetrics  # noqa: E402
 from phaselab.engine.engine import LLMEngine  # noqa: E402
 from phaselab.model.loader import load_checkpoint  # noqa: E402
+from phaselab.workload.driver import Arrival, run_arrivals  # noqa: E402
+from phaselab.workload.interference import InterferenceParams  # noqa: E402
 from tests._model_helpers import long_text  # noqa: E402
 
 
-@dataclasses.dataclass
-class Arrival:
-    at_s: float
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    kind: str  # "stream" | "long"
+def interference(a: argparse.Namespace) -> InterferenceParams:
+    return InterferenceParams(num_streams=a.streams, stream_input_len=a.stream_len, stream_output_len=a.stream_tokens,
+                              num_long_prompts=a.long_prompts, long_input_len=a.long_len, long_output_len=a.long_tokens,
+                              long_start_s=a.first_long, long_interval_s=a.gap)
 
 
-def workload(tokenizer: Any, a: argparse.Namespace) -> list[Arrival]:
+def workload(tokenizer: Any, p: InterferenceParams) -> list[Arrival]:
+    """The interference workload with prompts cut from real text (distinct: no prefix-cache hits)."""
     ids = tokenizer.encode(long_text(80))
-    assert len(ids) > a.long_len + 200 * a.long_prompts, "need more text"
-    out = []
-    for i in range(a.streams):
-        out.append(Arrival(0.0, f"stream-{i}", ids[37 * i: 37 * i + a.stream_len],
-                           SamplingParams(temperature=0, max_tokens=a.stream_tokens, ignore_eos=True), "stream"))
-    for k in range(a.long_prompts):
+    assert len(ids) > p.long_input_len + 200 * p.num_long_prompts, "need more text"
+    out = [Arrival(f"stream-{i}", ids[37 * i: 37 * i + p.stream_input_len], p.stream_output_len, "stream", at_s=0.0)
+           for i in range(p.num_streams)]
+    for k in range(p.num_long_prompts):
         start = 500 + 211 * k  # distinct prompts: no prefix-cache hits between them
-        out.append(Arrival(a.first_long + k * a.gap, f"long-{k}", ids[start: start + a.long_len],
-                           SamplingParams(temperature=0, max_tokens=a.long_tokens, ignore_eos=True), "long"))
-    return sorted(out, key=lambda x: x.at_s)
+        out.append(Arrival(f"long-{k}", ids[start: start + p.long_input_len], p.long_output_len, "long",
+                           at_s=p.long_arrival_s(k)))
+    return out
 
 
 def drive(engine: Any, arrivals: list[Arrival]) -> float:
-    """Add each request at its arrival time (between steps), step until all finish. Returns the
-    makespan in seconds (first arrival -> last finish)."""
-    pending = list(arrivals)
-    t0 = time.monotonic_ns()
-    while pending or engine.has_unfinished_requests():
-        now = time.monotonic_ns()
-        while pending and t0 + int(pending[0].at_s * 1e9) <= now:
-            a = pending.pop(0)
-            engine.add_request(a.prompt, a.params, request_id=a.request_id, arrived_ns=t0 + int(a.at_s * 1e9))
-            # token ids need no tokenizing; an engine cannot take a request mid-iteration, so the
-            # wait for the running step to end is queueing (a server's front would queue it too)
-            m = engine.tracked(a.request_id).metrics
-            m.tokenized_ns = m.arrived_ns
-            if isinstance(engine, LLMEngine):
-                m.queued_ns = m.arrived_ns
-        if engine.has_unfinished_requests():
-            engine.step()
-        elif pending:
-            time.sleep(max(0.0, (t0 + pending[0].at_s * 1e9 - time.monotonic_ns()) / 1e9))
+    """run_arrivals (each request added at the first step boundary after its arrival time, the wait
+    counted as queueing); returns the makespan in seconds (first arrival -> last finish)."""
+    start_ns = run_arrivals(engine, arrivals).start_ns
     last = max(m.finished_ns or 0 for m in engine.finished_requests)
-    return (last - t0) / 1e9
+    return (last - start_ns) / 1e9
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -268,7 +248,7 @@ def main() -> int:
     a = p.parse_args()
 
     ckpt = load_checkpoint(None, getattr(torch, a.dtype))
-    arrivals = workload(ckpt.tokenizer, a)
+    arrivals = workload(ckpt.tokenizer, interference(a))
     colocated = {m: colocated_engine(ckpt, a, m) for m in a.modes if m != "disagg"}
     disagg = disagg_engine(ckpt, a) if "disagg" in a.modes else None
     results: list[dict[str, Any]] = []

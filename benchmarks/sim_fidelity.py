@@ -44,7 +44,8 @@ from phaselab.sim.calibrate import calibrate  # noqa: E402
 from phaselab.sim.fidelity import (by_kind, compare, real_run, simulate_like, speed_probe,  # noqa: E402
                                    speed_ratio)
 from phaselab.sim.report import summarize  # noqa: E402
-from phaselab.sim.workload import ArrivalSpec, random_requests  # noqa: E402
+from phaselab.sim.workload import random_requests  # noqa: E402
+from phaselab.workload.arrivals import ArrivalPlan  # noqa: E402
 
 INPUT_LEN, OUTPUT_LEN = "uniform:32:384", "uniform:8:48"
 
@@ -155,7 +156,7 @@ def main() -> None:
         # 2. calibration at 70%, 3. test runs at 50% and 85%
         for name, (seed, frac) in RUNS.items():
             reqs = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=seed,
-                                   arrivals=ArrivalSpec(request_rate=capacity * frac))
+                                   arrivals=ArrivalPlan(request_rate=capacity * frac))
             quiet = wait_quiet(args.quiet_load, args.quiet_wait)
             probe = speed_probe(engine, text_ids, name)
             with LoadSampler() as load:
@@ -177,7 +178,7 @@ def main() -> None:
     for name, (seed, _) in RUNS.items():
         run_dir = os.path.join(args.workdir, name)
         reqs = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=seed,
-                               arrivals=ArrivalSpec(request_rate=report["runs"][name]["rate"]))
+                               arrivals=ArrivalPlan(request_rate=report["runs"][name]["rate"]))
         real = summarize(read_run_dir(run_dir).requests)
         ratio = speed_ratio(run_dir, fit.params)
         raw = compare(real, simulate_like(run_dir, reqs, fit.params))

@@ -26,7 +26,8 @@ from phaselab.sim.catalog import get_hardware, get_model  # noqa: E402
 from phaselab.sim.deployment import Deployment, RoleConfig  # noqa: E402
 from phaselab.sim.loop import simulate  # noqa: E402
 from phaselab.sim.report import summarize  # noqa: E402
-from phaselab.sim.workload import ArrivalSpec, random_requests  # noqa: E402
+from phaselab.sim.workload import random_requests  # noqa: E402
+from phaselab.workload.arrivals import ArrivalPlan  # noqa: E402
 
 SCENARIOS = {
     "colocated": (lambda: Deployment(get_model("llama-3-8b"), get_hardware("h100"), num_replicas=16),
@@ -73,7 +74,7 @@ def run(name: str, num_prompts: int, measure_scheduler: bool) -> dict:
     make, input_len, output_len, rate = SCENARIOS[name]
     d = make()
     t = time.perf_counter()
-    reqs = random_requests(num_prompts, input_len, output_len, seed=0, arrivals=ArrivalSpec(request_rate=rate))
+    reqs = random_requests(num_prompts, input_len, output_len, seed=0, arrivals=ArrivalPlan(request_rate=rate))
     workload_s = time.perf_counter() - t
     wall0, cpu0 = time.perf_counter(), time.process_time()
     if measure_scheduler:

@@ -39,7 +39,8 @@ from phaselab.sim.cost import RooflineCostModel, default_params  # noqa: E402
 from phaselab.sim.deployment import Deployment, RoleConfig  # noqa: E402
 from phaselab.sim.loop import simulate  # noqa: E402
 from phaselab.sim.search import SLO, candidates, max_rate  # noqa: E402
-from phaselab.sim.workload import ArrivalSpec, random_requests  # noqa: E402
+from phaselab.sim.workload import random_requests  # noqa: E402
+from phaselab.workload.arrivals import ArrivalPlan  # noqa: E402
 
 SP = SamplingParams()
 TARGET = (0.7, 1.3)
@@ -145,7 +146,7 @@ def lognormal_workload(num: int, in_median: int, in_sigma: float, out_median: in
     """Requests with lognormal prompt and output lengths (chat-like), each fitting max_len."""
     def at(rate: float):
         reqs = random_requests(num, f"lognormal:{in_median}:{in_sigma}", f"lognormal:{out_median}:{out_sigma}", seed,
-                               ArrivalSpec(request_rate=rate))
+                               ArrivalPlan(request_rate=rate))
         out = []
         for r in reqs:
             p = min(r.num_prompt_tokens, max_len // 2)
@@ -178,7 +179,7 @@ def quantile_workload(num: int, prompt_q: tuple[int, ...], output_q: tuple[int, 
     prompts, outputs = draw(prompt_q), draw(output_q)
 
     def at(rate: float):
-        reqs = random_requests(num, "1", "1", seed, ArrivalSpec(request_rate=rate))
+        reqs = random_requests(num, "1", "1", seed, ArrivalPlan(request_rate=rate))
         return [dataclasses.replace(r, num_prompt_tokens=int(p), max_tokens=int(min(o, max_len - p)))
                 for r, p, o in zip(reqs, prompts, outputs)]
     return at
@@ -227,7 +228,7 @@ def bisect_rate_per_gpu(d: Deployment, workload: Any, slo: SLO, hi: float = 5.0,
     lo = 0.0
     while hi - lo >= tol:
         mid = (lo + hi) / 2
-        result = simulate(d, workload(mid * d.num_gpus), ArrivalSpec(self_timed=True), record_iterations=False)
+        result = simulate(d, workload(mid * d.num_gpus), ArrivalPlan(self_timed=True), record_iterations=False)
         ok, _ = slo.check(result.requests)
         lo, hi = (mid, hi) if ok else (lo, mid)
     return lo
@@ -241,7 +242,7 @@ def distserve_motivation(quick: bool) -> list[dict[str, Any]]:
     attainment of both SLOs, colocated prefill-first (vLLM-like) vs 2P:1D TP1 pools over NVLink."""
     m, hw = get_model("opt-13b"), get_hardware("a100")
     n = 200 if quick else 400
-    workload = lambda rate: random_requests(n, "512", "64", 0, ArrivalSpec(request_rate=rate))  # noqa: E731
+    workload = lambda rate: random_requests(n, "512", "64", 0, ArrivalPlan(request_rate=rate))  # noqa: E731
     slo = SLO("goodput", ttft_s=0.4, tpot_s=0.04, attainment=0.9)
     colo = Deployment(m, hw, colocated=RoleConfig(policy="prefill-first"), max_model_len=2048)
     disagg = Deployment(m, hw, "disagg", num_prefill=2, num_decode=1, prefill=RoleConfig(policy="prefill-first"),

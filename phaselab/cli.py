@@ -8,11 +8,12 @@ process shares the cores (one decode step: 2.4 s spinning vs 0.14 s PASSIVE, mea
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
+from typing import Any
 
+from phaselab.cliargs import add_fields, field_values
 from phaselab.config import EngineArgs
 
 SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer takes longer than the next ones."
@@ -20,33 +21,13 @@ SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer t
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    for f in dataclasses.fields(EngineArgs):
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "") + f" (default: {f.default})"
-        if f.type in ("bool", bool):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
-        elif f.name in ("max_model_len", "max_num_batched_tokens", "num_threads", "max_num_seqs", "block_size",
-                        "long_prefill_token_threshold", "max_num_partial_prefills", "seed",
-                        "prefill_workers", "decode_workers", "prefill_threads", "decode_threads"):
-            g.add_argument(flag, type=int, default=f.default, help=help_text)
-        elif f.name == "mode":
-            g.add_argument(flag, choices=["colocated", "disagg"], default=f.default, help=help_text)
-        elif f.name == "kv_transport":
-            g.add_argument(flag, choices=["ray-object-store", "ray-actor"], default=f.default, help=help_text)
-        elif f.name == "routing_policy":
-            g.add_argument(flag, choices=["least-outstanding", "round-robin"], default=f.default, help=help_text)
-        elif f.name == "policy":
-            g.add_argument(flag, choices=["chunked", "prefill-first"], default=f.default, help=help_text)
-        elif f.name == "dtype":
-            g.add_argument(flag, choices=["auto", "float32", "bfloat16"], default=f.default, help=help_text)
-        else:
-            g.add_argument(flag, default=f.default, help=help_text)
+    add_fields(g, EngineArgs)  # types, defaults, choices and help from EngineArgs' fields
     g.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
                    help="OpenMP wait policy of this process (default: PASSIVE; 'default' leaves OpenMP's own)")
 
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(EngineArgs)})
+    return EngineArgs(**field_values(ns, EngineArgs))
 
 
 def _set_threads(ns: argparse.Namespace) -> None:
@@ -110,10 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     # the simulator drives core's scheduler on a virtual clock
     from phaselab.analysis.cli import add_analysis_parsers
     from phaselab.bench.cli import add_bench_parser
+    from phaselab.experiments.cli import add_compare_parser
     from phaselab.sim.cli import add_simulate_parser
 
     add_bench_parser(sub)
     add_analysis_parsers(sub)
+    add_compare_parser(sub)
     add_simulate_parser(sub)
     return parser
 
@@ -127,69 +110,31 @@ def _prompt_ids(tok, ns: argparse.Namespace) -> list[int]:  # type: ignore[no-un
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    """`generate`: one prompt through an engine of either mode (make_engine), streamed to stdout."""
     _set_threads(ns)
     from phaselab.config import runtime_settings
-    from phaselab.engine.engine import LLMEngine
+    from phaselab.serving_engine import make_engine
 
     t0 = time.monotonic()
     if ns.mode == "disagg":
-        return _generate_disagg(ns, t0)
-    print("loading the model ...", file=sys.stderr, flush=True)
-    engine = LLMEngine(_engine_args(ns))
-    cfg = engine.model_config
-    print(
-        f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}) in "
-        f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
-        file=sys.stderr, flush=True,
-    )
-    prompt_ids = _prompt_ids(engine.tokenizer, ns)
-    rid = engine.add_request(prompt_ids, _sampling_params(ns))
-    detok = engine.tracked(rid).detok  # type: ignore[union-attr]
-    last = None
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            sys.stdout.write(detok.get_next_output_text(finished=out.finished, delta=True))
-            sys.stdout.flush()
-            last = out
-    sys.stdout.write("\n")
-    if ns.record:
-        engine.write_record(ns.record)
-        print(f"run directory written to {ns.record} (open trace.json in https://ui.perfetto.dev)", file=sys.stderr)
-    if last is not None:
-        m = last.metrics
-        n = len(last.token_ids)
-        ttft = m.ttft_s or 0.0
-        tpot = m.tpot_s
-        print(
-            f"[{n} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} tokens; "
-            f"TTFT {ttft * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
-            + (f"; TPOT {tpot * 1e3:.1f} ms ({1 / tpot:.1f} tok/s)" if tpot else "") + "]",
-            file=sys.stderr,
-        )
-    return 0
-
-
-def _sampling_params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from phaselab.core.sampling_params import SamplingParams
-
-    return SamplingParams(
-        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.sampling_seed,
-        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
-    )
-
-
-def _generate_disagg(ns: argparse.Namespace, t0: float) -> int:
-    """`generate --mode disagg`: the same prompt through prefill and decode workers on Ray."""
-    from phaselab.disagg.router import DisaggEngine
-
-    print(f"starting {ns.prefill_workers} prefill + {ns.decode_workers} decode workers on Ray ...",
-          file=sys.stderr, flush=True)
-    engine = DisaggEngine(_engine_args(ns))
-    try:
-        workers = ", ".join(f"{w.name} ({w.info.run_config['machine']['torch_num_threads']} threads)"
-                            for w in engine.workers.values() if w.info is not None)
-        print(f"workers ready in {time.monotonic() - t0:.1f}s: {workers}; KV transport {ns.kv_transport}",
+        print(f"starting {ns.prefill_workers} prefill + {ns.decode_workers} decode workers on Ray ...",
               file=sys.stderr, flush=True)
+    else:
+        print("loading the model ...", file=sys.stderr, flush=True)
+    engine: Any = make_engine(_engine_args(ns))
+    try:
+        if ns.mode == "disagg":
+            workers = ", ".join(f"{w.name} ({w.info.run_config['machine']['torch_num_threads']} threads)"
+                                for w in engine.workers.values() if w.info is not None)
+            print(f"workers ready in {time.monotonic() - t0:.1f}s: {workers}; KV transport {ns.kv_transport}",
+                  file=sys.stderr, flush=True)
+        else:
+            cfg = engine.model_config
+            print(
+                f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}) in "
+                f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
+                file=sys.stderr, flush=True,
+            )
         prompt_ids = _prompt_ids(engine.tokenizer, ns)
         engine.add_request(prompt_ids, _sampling_params(ns))
         last, printed = None, 0
@@ -208,14 +153,27 @@ def _generate_disagg(ns: argparse.Namespace, t0: float) -> int:
             if last.finish_reason == "error":
                 print(f"phaselab: error: {last.outputs[0].error}", file=sys.stderr)
                 return 1
+            tpot = m.tpot_s
             transfer = (f"; KV {m.kv_transfer_bytes / 2**20:.1f} MiB moved in {m.transfer_s * 1e3:.1f} ms "
                         f"({m.worker} -> {m.decode_worker})" if m.transfer_s else "")
-            print(f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} "
-                  f"tokens; TTFT {(m.ttft_s or 0) * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
-                  f"{transfer}]", file=sys.stderr)
+            print(
+                f"[{len(last.token_ids)} tokens, finish_reason={last.finish_reason}; prompt {len(prompt_ids)} "
+                f"tokens; TTFT {(m.ttft_s or 0) * 1e3:.0f} ms (prefill {m.prefill_compute_s * 1e3:.0f} ms)"
+                + (f"; TPOT {tpot * 1e3:.1f} ms ({1 / tpot:.1f} tok/s)" if tpot else "") + f"{transfer}]",
+                file=sys.stderr,
+            )
         return 0
     finally:
         engine.shutdown()
+
+
+def _sampling_params(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from phaselab.core.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, seed=ns.sampling_seed,
+        max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, stop=ns.stop, ignore_eos=ns.ignore_eos,
+    )
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
@@ -250,10 +208,14 @@ def main(argv: list[str] | None = None) -> int:
             from phaselab.bench.cli import run_bench
 
             return run_bench(ns)
-        if ns.command in ("diagnose", "timeline", "compare"):
+        if ns.command in ("diagnose", "timeline"):
             from phaselab.analysis.cli import run_analysis
 
             return run_analysis(ns)
+        if ns.command == "compare":
+            from phaselab.experiments.cli import run_compare_cli
+
+            return run_compare_cli(ns)
         if ns.command == "simulate":
             from phaselab.sim.cli import run_simulate
 

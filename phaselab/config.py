@@ -11,10 +11,14 @@ import os
 import re
 from dataclasses import dataclass, field, fields
 
+from phaselab.core.config import BUDGET_DEFAULT_TEXT, POLICIES
+from phaselab.core.routing import POLICIES as ROUTING
 from phaselab.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
 MODES = ("colocated", "disagg")
+KV_TRANSPORTS = ("ray-object-store", "ray-actor")
+ROUTING_POLICIES = tuple(ROUTING)  # core.routing's policy names
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -34,12 +38,12 @@ def parse_bytes(value: str | int) -> int:
 class EngineArgs:
     model: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer.json or HF directory overriding the model's tokenizer"})
-    dtype: str = field(default="auto", metadata={"help": "auto | float32 | bfloat16 (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto | float32 | bfloat16 (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)"})
     kv_cache_memory: str | int = field(default="2GiB", metadata={"help": "memory for the paged KV cache, allocated once at start"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     max_model_len: int | None = field(default=None, metadata={"help": "most tokens per request (default: the model's context, capped by the cache)"})
-    policy: str = field(default="chunked", metadata={"help": "chunked (decode-first, chunked prefill) | prefill-first"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": "token budget per iteration (default 2048 for chunked, max_model_len for prefill-first)"})
+    policy: str = field(default="chunked", metadata={"choices": POLICIES, "help": "chunked (decode-first, chunked prefill) | prefill-first"})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"help": f"token budget per iteration ({BUDGET_DEFAULT_TEXT})"})
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
     long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap on one request's prefill chunk (0 = none)"})
     max_num_partial_prefills: int = field(default=1, metadata={"help": "most requests left mid-prefill after an iteration"})
@@ -47,14 +51,14 @@ class EngineArgs:
     seed: int = field(default=0, metadata={"help": "seed of unseeded requests' random draws"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
     # -- deployment (docs/disaggregation.md) --
-    mode: str = field(default="colocated", metadata={"help": "colocated (one engine) | disagg (prefill and decode worker pools on Ray)"})
+    mode: str = field(default="colocated", metadata={"choices": MODES, "help": "colocated (one engine) | disagg (prefill and decode worker pools on Ray)"})
     prefill_workers: int = field(default=1, metadata={"help": "disagg: prefill workers (Ray actors)"})
     decode_workers: int = field(default=1, metadata={"help": "disagg: decode workers (Ray actors)"})
     prefill_threads: int | None = field(default=None, metadata={"help": "disagg: torch threads per prefill worker (default: cores / workers, at least 1)"})
     decode_threads: int | None = field(default=None, metadata={"help": "disagg: torch threads per decode worker (default: cores / workers, at least 1)"})
     ray_address: str | None = field(default=None, metadata={"help": "disagg: join this Ray cluster (default: start Ray locally on demand)"})
-    kv_transport: str = field(default="ray-object-store", metadata={"help": "disagg: how KV blocks travel: ray-object-store (copied into Ray's object store when the prefill parks) | ray-actor (the decode worker pulls them from the prefill actor)"})
-    routing_policy: str = field(default="least-outstanding", metadata={"help": "disagg: worker choice per request: least-outstanding | round-robin"})
+    kv_transport: str = field(default="ray-object-store", metadata={"choices": KV_TRANSPORTS, "help": "disagg: how KV blocks travel: ray-object-store (copied into Ray's object store when the prefill parks) | ray-actor (the decode worker pulls them from the prefill actor)"})
+    routing_policy: str = field(default="least-outstanding", metadata={"choices": ROUTING_POLICIES, "help": "disagg: worker choice per request: least-outstanding | round-robin"})
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

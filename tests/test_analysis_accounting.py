@@ -381,7 +381,8 @@ def test_analysis_imports_no_torch() -> None:
     code = ("import sys\n"
             "import phaselab.analysis, phaselab.analysis.diagnose, phaselab.analysis.accounting, "
             "phaselab.analysis.timeline, phaselab.analysis.report, phaselab.analysis.external, "
-            "phaselab.analysis.cli, phaselab.analysis.compare\n"
+            "phaselab.analysis.cli, phaselab.experiments.compare, phaselab.experiments.compare_sim, "
+            "phaselab.experiments.cli, phaselab.workload.driver\n"
             "from phaselab.analysis.cli import main\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'ray')\n"
             "assert not bad, bad\n")

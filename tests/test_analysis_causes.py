@@ -1,5 +1,5 @@
 """Diagnosis on real engine runs built to have one known cause each (the bundled model, bf16, small
-workloads driven with arrival timing by phaselab.analysis.compare.drive):
+workloads driven with arrival timing by phaselab.workload.driver.run_arrivals):
 
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
     prefill-bound    long prompts, few requests, one at a time, two output tokens
@@ -20,9 +20,9 @@ import json
 import numpy as np
 import pytest
 
-from phaselab.analysis.compare import Arrival, drive, random_prompt
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.obs.rundir import read_run_dir
+from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
 
 pytestmark = pytest.mark.slow
 REL = 0.15
@@ -46,7 +46,7 @@ def _engine(checkpoint, **kw):
 
 
 def _run(engine, arrivals, path):
-    drive(engine, arrivals)
+    run_arrivals(engine, arrivals)
     engine.write_record(str(path))
     d = diagnose(path)
     write_diagnosis(d, path)
@@ -169,7 +169,7 @@ def test_transfer_bound_disaggregated(checkpoint, tmp_path):
         for i in range(3):
             arrivals.append(Arrival(f"t{i}", random_prompt(rng, 64), 4, at_s=None if arrivals else 0.0,
                                     after_finished=arrivals[-1].request_id if arrivals else None))
-        drive(engine, arrivals)
+        run_arrivals(engine, arrivals)
         engine.write_record(str(tmp_path / "transfer"))
     finally:
         engine.shutdown()

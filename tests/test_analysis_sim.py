@@ -57,7 +57,7 @@ def test_compare_simulate_puts_the_deployments_side_by_side(tmp_path, capsys):
 
 
 def test_compare_simulate_options_and_errors(capsys):
-    from phaselab.analysis.compare import auto_tp, parse_split, sim_spec
+    from phaselab.experiments.compare_sim import auto_tp, parse_split, sim_spec
     from phaselab.cli import main
     from phaselab.sim.catalog import get_hardware, get_model
 
@@ -92,13 +92,14 @@ def test_diagnose_judges_a_simulated_run_against_the_simulated_hardware(tmp_path
     from phaselab.sim.catalog import get_hardware, get_model
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
-    from phaselab.sim.workload import ArrivalSpec, random_requests
+    from phaselab.sim.workload import random_requests
+    from phaselab.workload.arrivals import ArrivalPlan
 
     h100 = get_hardware("h100")
     d = Deployment(get_model("llama-3-8b"), h100, "disagg", prefill=RoleConfig(tp=2), decode=RoleConfig(tp=1),
                    transfer_link="25gbe")
     run = tmp_path / "sim"
-    simulate(d, random_requests(24, "uniform:512:2048", "uniform:16:64", seed=1, arrivals=ArrivalSpec(request_rate=8))
+    simulate(d, random_requests(24, "uniform:512:2048", "uniform:16:64", seed=1, arrivals=ArrivalPlan(request_rate=8))
              ).write(str(run))
 
     diag = diagnose(run, roofline=str(fake_roofline))

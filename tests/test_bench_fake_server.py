@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from phaselab.bench.arrivals import ArrivalPlan, drive
+from phaselab.bench.arrivals import drive
+from phaselab.workload.arrivals import ArrivalPlan
 from phaselab.bench.cli import main as bench_main
 from phaselab.bench.client import ClientConfig, RequestRecord, RequestSpec, StreamingClient, new_record
 from phaselab.bench.metrics import RequestResult, derive, summarize

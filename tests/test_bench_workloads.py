@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from phaselab.bench.workloads import (
+from phaselab.workload.prompts import (
     InterferenceParams, PromptBuilder, RandomParams, SharedPrefixParams, WorkloadError, interference_workload,
     load_bench_tokenizer, random_workload, shared_prefix_workload, trace_workload,
 )
@@ -126,7 +126,7 @@ def test_the_bench_never_imports_torch():
     code = (
         "import sys\n"
         "import phaselab.bench.cli, phaselab.bench.runner, phaselab.bench.report\n"
-        "from phaselab.bench.workloads import PromptBuilder, load_bench_tokenizer\n"
+        "from phaselab.workload.prompts import PromptBuilder, load_bench_tokenizer\n"
         "PromptBuilder(load_bench_tokenizer(), 'chat')\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"

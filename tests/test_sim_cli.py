@@ -48,11 +48,12 @@ def test_calibrate_and_replay_a_run(tmp_path, capsys):
     from phaselab.sim.catalog import get_hardware
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
-    from phaselab.sim.workload import ArrivalSpec, random_requests
+    from phaselab.sim.workload import random_requests
+    from phaselab.workload.arrivals import ArrivalPlan
 
     d = Deployment(TINY, get_hardware("cpu"),
                    colocated=RoleConfig(max_num_batched_tokens=64, num_blocks=64), max_model_len=512)
-    simulate(d, random_requests(30, "uniform:8:200", "uniform:2:20", seed=0, arrivals=ArrivalSpec(request_rate=5))
+    simulate(d, random_requests(30, "uniform:8:200", "uniform:2:20", seed=0, arrivals=ArrivalPlan(request_rate=5))
              ).write(str(tmp_path / "run"))
     _as_real_run(tmp_path / "run", TINY)
     params = tmp_path / "params.json"
@@ -86,8 +87,7 @@ def test_exact_prompts_are_the_benchs_own():
     same ids and lengths, and real shared prefixes that hit the prefix cache."""
     import numpy as np
 
-    from phaselab.bench.cli import build_workload as bench_workload
-    from phaselab.bench.workloads import PromptBuilder, load_bench_tokenizer
+    from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer
     from phaselab.sim.catalog import get_hardware, get_model
     from phaselab.sim.cli import build_workload
     from phaselab.sim.deployment import Deployment
@@ -100,7 +100,7 @@ def test_exact_prompts_are_the_benchs_own():
                             "--request-rate", "4", "--seed", "3"])
     reqs, arrivals, info = build_workload(ns)
     builder = PromptBuilder(load_bench_tokenizer(None), "completions")
-    specs, _ = bench_workload(argparse.Namespace(**{**vars(ns), "num_warmups": 0}), builder,
+    specs, _ = build_specs(argparse.Namespace(**{**vars(ns), "num_warmups": 0}), builder,
                               np.random.default_rng(np.random.SeedSequence(3).spawn(2)[0]))
     assert [r.request_id for r in reqs] == [s.request_id for s in specs]
     assert [r.num_prompt_tokens for r in reqs] == [s.num_prompt_tokens for s in specs]

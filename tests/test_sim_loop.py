@@ -13,7 +13,6 @@ import pytest
 import phaselab.core.routing
 import phaselab.core.scheduler
 from phaselab.core.kv_cache_manager import cdiv
-from phaselab.bench.workloads import InterferenceParams
 from phaselab.obs.rundir import read_run_dir
 from phaselab.obs.trace import validate_trace
 from phaselab.sim import loop
@@ -24,8 +23,10 @@ from phaselab.sim.loop import simulate
 from phaselab.sim.report import summarize
 from phaselab.sim.transfer import Network
 from phaselab.sim.workload import (
-    ArrivalSpec, SimRequest, interference_requests, random_requests, shared_prefix_requests,
+    SimRequest, interference_requests, random_requests, shared_prefix_requests,
 )
+from phaselab.workload.arrivals import ArrivalPlan
+from phaselab.workload.interference import InterferenceParams
 
 H100 = get_hardware("h100")
 LLAMA8 = get_model("llama-3-8b")
@@ -55,8 +56,8 @@ def test_the_simulator_never_imports_torch():
 
 
 def test_random_workload_has_the_benchs_lengths_and_arrival_times():
-    from phaselab.bench.arrivals import arrival_offsets
-    from phaselab.bench.workloads import RandomParams, random_workload
+    from phaselab.workload.arrivals import arrival_offsets
+    from phaselab.workload.prompts import RandomParams, random_workload
 
     class CountOnly:  # the bench's builder draws prompt words after the lengths; none needed here
         def build(self, rng, n, prefix=None):
@@ -67,7 +68,7 @@ def test_random_workload_has_the_benchs_lengths_and_arrival_times():
     specs = random_workload(RandomParams(n, "uniform:10:500", "normal:64:16"), CountOnly(),
                             np.random.default_rng(seeds[0]))
     offsets = arrival_offsets(n, 3.0, 0.5, np.random.default_rng(np.random.SeedSequence(seed).spawn(2)[1]))
-    sim = random_requests(n, "uniform:10:500", "normal:64:16", seed, ArrivalSpec(request_rate=3.0, burstiness=0.5))
+    sim = random_requests(n, "uniform:10:500", "normal:64:16", seed, ArrivalPlan(request_rate=3.0, burstiness=0.5))
     assert [s.num_prompt_tokens for s in specs] == [r.num_prompt_tokens for r in sim]
     assert [s.max_tokens for s in specs] == [r.max_tokens for r in sim]
     assert [r.arrival_s for r in sim] == offsets
@@ -79,7 +80,7 @@ def _small(**kw) -> Deployment:
 
 
 def test_simulated_run_directory_is_a_run_directory(tmp_path):
-    reqs = random_requests(40, "uniform:16:700", "uniform:1:40", seed=1, arrivals=ArrivalSpec(request_rate=50))
+    reqs = random_requests(40, "uniform:16:700", "uniform:1:40", seed=1, arrivals=ArrivalPlan(request_rate=50))
     d = _small(colocated=RoleConfig(max_num_batched_tokens=256, max_num_seqs=8, num_blocks=120))
     result = simulate(d, reqs, check_invariants=True)
     result.write(str(tmp_path))
@@ -133,7 +134,7 @@ def test_chunked_prefill_keeps_streams_flowing_where_prefill_first_stalls_them()
 
 def test_prefix_groups_share_cached_blocks():
     reqs = shared_prefix_requests(24, num_groups=3, prefix_len=256, suffix_len="32", output_len="4", seed=0,
-                                  arrivals=ArrivalSpec(request_rate=20))
+                                  arrivals=ArrivalPlan(request_rate=20))
     result = simulate(_small(), reqs)
     hits = sorted(m.num_cached_tokens for m in result.requests)
     assert hits[:3] == [0, 0, 0] and hits[-1] == 256  # each group's first request misses, later ones hit
@@ -141,7 +142,7 @@ def test_prefix_groups_share_cached_blocks():
 
 def test_closed_loop_keeps_at_most_concurrency_requests_in_flight():
     reqs = random_requests(30, "200", "20", seed=0)
-    result = simulate(_small(), reqs, ArrivalSpec(concurrency=3))
+    result = simulate(_small(), reqs, ArrivalPlan(concurrency=3))
     events = sorted([(m.arrived_ns, 1) for m in result.requests] + [(m.finished_ns, -1) for m in result.requests],
                     key=lambda e: (e[0], e[1]))
     level = peak = 0
@@ -152,7 +153,7 @@ def test_closed_loop_keeps_at_most_concurrency_requests_in_flight():
 
 
 def test_replicas_share_the_load():
-    reqs = random_requests(200, "uniform:64:512", "32", seed=3, arrivals=ArrivalSpec(request_rate=200))
+    reqs = random_requests(200, "uniform:64:512", "32", seed=3, arrivals=ArrivalPlan(request_rate=200))
     result = simulate(_small(num_replicas=4), reqs)
     per_worker = [w["num_iterations"] for w in result.worker_stats]
     assert len(per_worker) == 4 and min(per_worker) > 0.5 * max(per_worker)
@@ -165,7 +166,7 @@ def _disagg(link: str, **kw) -> Deployment:
 
 
 def test_disaggregated_requests_move_their_kv_and_free_every_block():
-    reqs = random_requests(60, "uniform:20:900", "uniform:2:30", seed=2, arrivals=ArrivalSpec(request_rate=30))
+    reqs = random_requests(60, "uniform:20:900", "uniform:2:30", seed=2, arrivals=ArrivalPlan(request_rate=30))
     d = _disagg("nvlink4", decode=RoleConfig(num_blocks=200))
     sim = loop.Simulator(d, reqs, check_invariants=True)
     result = sim.run()
@@ -188,7 +189,7 @@ def test_disaggregated_requests_move_their_kv_and_free_every_block():
 def test_transfer_share_of_ttft_rises_from_negligible_on_nvlink_to_dominant_on_25gbe():
     """The same disaggregated workload; the first token reaches the client from the decode side,
     once the KV has arrived (a proxy in front of the decode instance), so TTFT contains the transfer."""
-    reqs = random_requests(200, "uniform:512:2048", "uniform:16:64", seed=4, arrivals=ArrivalSpec(request_rate=8))
+    reqs = random_requests(200, "uniform:512:2048", "uniform:16:64", seed=4, arrivals=ArrivalPlan(request_rate=8))
     shares = {}
     for link in ("nvlink4", "25gbe"):
         result = simulate(_disagg(link, first_token_from="decode"), reqs)
@@ -199,7 +200,7 @@ def test_transfer_share_of_ttft_rises_from_negligible_on_nvlink_to_dominant_on_2
 
 
 def test_with_the_first_token_from_prefill_the_transfer_delays_the_second_token():
-    reqs = random_requests(50, "1024", "8", seed=5, arrivals=ArrivalSpec(request_rate=5))
+    reqs = random_requests(50, "1024", "8", seed=5, arrivals=ArrivalPlan(request_rate=5))
     first_gap = {}
     for link in ("nvlink4", "25gbe"):
         result = simulate(_disagg(link), reqs)
@@ -210,7 +211,7 @@ def test_with_the_first_token_from_prefill_the_transfer_delays_the_second_token(
 
 
 def test_layer_by_layer_transfer_overlaps_the_prefill():
-    reqs = random_requests(40, "2048", "4", seed=6, arrivals=ArrivalSpec(request_rate=2))
+    reqs = random_requests(40, "2048", "4", seed=6, arrivals=ArrivalPlan(request_rate=2))
     after = simulate(_disagg("100gbe", first_token_from="decode"), reqs)
     layered = simulate(_disagg("100gbe", first_token_from="decode", transfer_mode="layer-by-layer"), reqs)
     tail = {name: float(np.median([m.kv_transfer_end_ns - m.first_token_sampled_ns for m in r.requests]))

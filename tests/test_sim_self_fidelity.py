@@ -13,7 +13,8 @@ from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.calibrate import calibrate
 from phaselab.sim.fidelity import compare, real_run, simulate_like, speed_probe, speed_ratio
 from phaselab.sim.report import summarize
-from phaselab.sim.workload import ArrivalSpec, random_requests
+from phaselab.sim.workload import random_requests
+from phaselab.workload.arrivals import ArrivalPlan
 
 NUM_PROMPTS = 30
 INPUT_LEN, OUTPUT_LEN = "uniform:32:384", "uniform:8:48"  # the benchmark's lengths
@@ -29,7 +30,7 @@ def _pair(engine, text_ids, capacity: float, workdir: str) -> dict:
     probes, loads, runs, t0 = [], [], {}, time.monotonic()
     for name, (seed, frac) in (("calibration", CALIBRATION), ("prediction", PREDICTION)):
         reqs = random_requests(NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN, seed=seed,
-                               arrivals=ArrivalSpec(request_rate=capacity * frac))
+                               arrivals=ArrivalPlan(request_rate=capacity * frac))
         probes.append(speed_probe(engine, text_ids, f"{name}-before"))
         loads.append(os.getloadavg()[0])
         real_run(engine, reqs, text_ids, os.path.join(workdir, name), seed)

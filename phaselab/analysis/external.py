@@ -72,15 +72,9 @@ def _client_gaps(reqs: list[RequestMetrics]) -> list[Gap]:
 
 
 def diagnose_client_run(run: RunData, path: str | None, ceilings: Ceilings) -> Any:
-    from phaselab.analysis.diagnose import (
-        DecodeAnalysis,
-        Diagnosis,
-        PrefillAnalysis,
-        QueueAnalysis,
-        StallAnalysis,
-        rank_findings,
-        summarize,
-    )
+    from phaselab.analysis.diagnose import Diagnosis
+    from phaselab.analysis.findings import rank_findings
+    from phaselab.analysis.measures import DecodeAnalysis, PrefillAnalysis, QueueAnalysis, StallAnalysis, summarize
 
     raw = _raw_lines(path)
     reqs = [m for m in run.requests if not raw.get(m.request_id, {}).get("warmup")

@@ -23,7 +23,7 @@ from phaselab.analysis.doc import Bullets, Doc, Heading, Para, RawHtml, Table, r
 from phaselab.analysis.timeline import load_timeline, render_png, render_timeline_page, timeline_fragment, timeline_head
 
 if TYPE_CHECKING:
-    from phaselab.analysis.compare import CompareResult, ConfigResult
+    from phaselab.experiments.compare import CompareResult, ConfigResult
 
 WORKLOADS = ("load", "interference", "sweep")  # "load": compare --simulate only
 
@@ -126,8 +126,8 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
             f"Bundled model, {p.dtype}, KV cache {p.kv_cache_memory}; every configuration runs the same two workloads. "
             f"**interference**: {inter.num_streams} streams ({inter.stream_input_len}-token prompts, "
             f"{inter.stream_output_len} tokens each) decode while {inter.num_long_prompts} prompts of "
-            f"{inter.long_input_len} tokens arrive (when every stream has {inter.first_at}, "
-            f"{inter.first_at + inter.every}, ... tokens). **sweep**: one request at a time with inputs of "
+            f"{inter.long_input_len} tokens arrive (when every stream has {inter.long_arrival_tokens(0)}, "
+            f"{inter.long_arrival_tokens(1)}, ... tokens). **sweep**: one request at a time with inputs of "
             f"{', '.join(map(str, p.sweep_lens))} tokens ({p.sweep_output_len} output tokens). "
             f"Wall time {fmt.s(result.wall_s)}."))
     else:
@@ -198,9 +198,7 @@ def _timeline_blocks(doc: Doc, timelines: list[dict[str, Any]] | None, png_b64: 
 
 
 def summary_json(result: CompareResult) -> dict[str, Any]:
-    from phaselab.analysis.compare import plan_json
-
-    out: dict[str, Any] = {"plan": plan_json(result.plan), "wall_s": result.wall_s, "notes": result.notes,
+    out: dict[str, Any] = {"plan": result.plan.to_json(), "wall_s": result.wall_s, "notes": result.notes,
                            "configs": []}
     for r in result.results:
         entry: dict[str, Any] = {"name": r.config.name, "label": r.config.label, "config": asdict(r.config),

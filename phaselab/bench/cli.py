@@ -14,13 +14,7 @@ import json
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from phaselab.bench.client import RequestSpec
-    from phaselab.bench.workloads import PromptBuilder
+from typing import Any
 
 # Building the parser imports nothing heavy: `phaselab --help` stays fast.
 WORKLOADS = ("random", "shared-prefix", "interference", "trace")
@@ -120,43 +114,6 @@ def _percentiles(text: str) -> tuple[float, ...]:
     return ps
 
 
-def build_workload(ns: argparse.Namespace, builder: PromptBuilder | None,
-                   rng: np.random.Generator) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """(measured specs, warm-up specs). Warm-ups come from the same workload, with their own ids."""
-    from phaselab.bench.client import RequestSpec
-    from phaselab.bench.workloads import (
-        InterferenceParams, RandomParams, SharedPrefixParams, WorkloadError, interference_workload, random_workload,
-        shared_prefix_workload, trace_workload,
-    )
-
-    n_warm = ns.num_warmups
-    if ns.workload == "trace":
-        if not ns.trace:
-            raise WorkloadError("--workload trace needs --trace FILE")
-        specs = trace_workload(ns.trace, builder, rng, num_prompts=ns.num_prompts)
-        warm = [RequestSpec(f"warmup-{i}", s.prompt, s.max_tokens, s.num_prompt_tokens, warmup=True)
-                for i, s in enumerate(specs[:n_warm])]
-        return specs, warm
-    assert builder is not None
-    if ns.workload == "random":
-        specs = random_workload(RandomParams(ns.num_prompts, ns.input_len, ns.output_len), builder, rng)
-        warm = random_workload(RandomParams(n_warm, ns.input_len, ns.output_len), builder, rng, "warmup")
-    elif ns.workload == "shared-prefix":
-        params = SharedPrefixParams(ns.num_prompts, ns.num_prefix_groups, ns.prefix_len, ns.suffix_len, ns.output_len)
-        specs = shared_prefix_workload(params, builder, rng)
-        # warm-ups of the same length but their own text: they must not warm the groups' prefixes
-        warm = random_workload(RandomParams(n_warm, str(ns.prefix_len), ns.output_len), builder, rng, "warmup")
-    else:
-        params = InterferenceParams(
-            ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts, ns.long_input_len,
-            ns.long_output_len, ns.long_start, ns.long_interval)
-        specs = interference_workload(params, builder, rng)
-        warm = random_workload(RandomParams(n_warm, str(ns.stream_input_len), "8"), builder, rng, "warmup")
-    for s in warm:
-        s.warmup = True
-    return specs, warm
-
-
 def _bench_config(ns: argparse.Namespace) -> dict[str, Any]:
     cfg = {k: v for k, v in vars(ns).items() if k not in ("api_key", "func") and not callable(v)}
     cfg["api_key_set"] = bool(ns.api_key)
@@ -164,13 +121,13 @@ def _bench_config(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_bench(ns: argparse.Namespace) -> int:
-    import numpy as np
-
     from phaselab.bench import report
     from phaselab.bench.client import ClientConfig, first_model
     from phaselab.bench.metrics import parse_goodput
     from phaselab.bench.runner import RunSettings, plan_from, run_specs
-    from phaselab.bench.workloads import LengthDist, PromptBuilder, WorkloadError, load_bench_tokenizer
+    from phaselab.workload.arrivals import workload_seeds
+    from phaselab.workload.lengths import LengthDist, WorkloadError
+    from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer
 
     def fail(msg: str) -> int:
         print(f"phaselab bench: error: {msg}", file=sys.stderr)
@@ -199,12 +156,12 @@ def run_bench(ns: argparse.Namespace) -> int:
     except Exception as e:
         return fail(f"cannot reach {ns.base_url} to list its models ({type(e).__name__}: {e}); is the server up?")
 
-    rng = np.random.default_rng(np.random.SeedSequence(ns.seed).spawn(2)[0])  # [1]: the arrival gaps (runner)
+    rng = workload_seeds(ns.seed)[0]  # [1]: the arrival gaps (runner)
     needs_builder = ns.workload != "trace" or _trace_needs_tokenizer(ns.trace)
     try:
         builder = PromptBuilder(load_bench_tokenizer(ns.tokenizer), ns.endpoint) if needs_builder or ns.tokenizer \
             else None
-        specs, warmups = build_workload(ns, builder, rng)
+        specs, warmups = build_specs(ns, builder, rng)
     except (WorkloadError, OSError) as e:
         return fail(str(e))
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import httpx
 
+from phaselab.workload.request import RequestSpec  # noqa: F401 - the spec a client sends
+
 # Request outcomes. "incomplete": the request started but its stream never finished (cut off,
 # timed out, cancelled); "failed": the server refused it or reported an error.
 STATUS_OK = "ok"
@@ -30,19 +32,6 @@ STATUS_FAILED = "failed"
 STATUS_INCOMPLETE = "incomplete"
 
 ENDPOINT_PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
-@dataclass
-class RequestSpec:
-    """One request of a workload, fully built before the run starts (no work on the hot path)."""
-
-    request_id: str
-    prompt: str  # user message (chat) or prompt text (completions)
-    max_tokens: int
-    num_prompt_tokens: int | None = None  # what the server should count, when the builder knows
-    group: str = "default"  # workload role: "stream"/"long" (interference), "group-3" (shared-prefix)
-    arrival_s: float | None = None  # self-timed workloads (trace, interference): offset from start
-    warmup: bool = False
 
 
 @dataclass

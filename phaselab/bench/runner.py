@@ -16,13 +16,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from phaselab.bench.arrivals import ArrivalPlan, arrival_offsets, drive
+from phaselab.bench.arrivals import drive
 from phaselab.bench.client import ClientConfig, RequestRecord, RequestSpec, StreamingClient, fetch_metrics_text
 from phaselab.bench.metrics import DEFAULT_PERCENTILES, interference_report, summarize
 from phaselab.bench.metrics import derive as derive_metrics
 from phaselab.bench.report import Progress
+from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, workload_seeds
 
 
 @dataclass
@@ -81,7 +80,7 @@ async def run_specs(
                 notes.append(f"--scrape-metrics: GET /metrics failed before the run ({type(e).__name__}: {e})")
         offsets = None
         if plan.mode == "open":
-            rng = np.random.default_rng(np.random.SeedSequence(settings.seed).spawn(2)[1])
+            rng = workload_seeds(settings.seed)[1]
             offsets = arrival_offsets(len(specs), plan.request_rate, plan.burstiness, rng)
         progress.start(len(specs), "benchmark")
         t0 = time.monotonic_ns()

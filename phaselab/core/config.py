@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from phaselab.errors import ConfigError
 
 POLICIES = ("chunked", "prefill-first")
+CHUNKED_BUDGET_DEFAULT = 2048  # max_num_batched_tokens of policy chunked when none is given
+BUDGET_DEFAULT_TEXT = f"default {CHUNKED_BUDGET_DEFAULT} for chunked, max_model_len for prefill-first"
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class SchedulerConfig:
         metadata={"help": "'chunked' (decode-first, prefill chunks fill the budget) or 'prefill-first'"},
     )
     max_num_batched_tokens: int = field(
-        default=2048, metadata={"help": "token budget of one iteration (prefill + decode tokens)"}
+        default=CHUNKED_BUDGET_DEFAULT, metadata={"help": "token budget of one iteration (prefill + decode tokens)"}
     )
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
     max_model_len: int = field(default=8192, metadata={"help": "most tokens (prompt + output) per request"})
@@ -41,6 +44,15 @@ class SchedulerConfig:
     max_num_partial_prefills: int = field(
         default=1, metadata={"help": "most requests left mid-prefill at the end of an iteration (chunked)"}
     )
+
+    @classmethod
+    def resolve(cls, *, policy: str = "chunked", max_model_len: int = 8192, max_num_batched_tokens: int | None = None,
+                **options: Any) -> SchedulerConfig:
+        """The config with the budget's default decided (the one place it is): a given budget as is;
+        none (or 0) -> CHUNKED_BUDGET_DEFAULT for chunked, max_model_len for prefill-first (which
+        prefills each prompt whole). `options` are the other fields."""
+        budget = max_num_batched_tokens or (CHUNKED_BUDGET_DEFAULT if policy == "chunked" else max_model_len)
+        return cls(policy=policy, max_num_batched_tokens=budget, max_model_len=max_model_len, **options)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -97,3 +97,16 @@ class RequestDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class EngineStats:
+    """What a serving front may read of an engine between steps (ServingEngine.stats()): queue
+    lengths, KV usage, and what the phase recorder holds (bounded when records are not kept)."""
+
+    num_waiting: int  # queued or prefilling (disaggregated: not decoding yet)
+    num_running: int
+    num_unfinished: int
+    kv_usage: float  # fraction of KV blocks in use (disaggregated: over every live worker)
+    num_blocks_used: int
+    records: dict[str, int] = field(default_factory=dict)  # PhaseRecorder.stats()

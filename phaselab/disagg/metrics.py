@@ -10,12 +10,18 @@ from the router's and every live worker's registries.
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from phaselab.disagg.protocol import WorkerStats
 from phaselab.obs.prometheus import BYTES_BUCKETS, STEP_SECONDS_BUCKETS
+
+logger = logging.getLogger("phaselab.disagg")
 
 BANDWIDTH_BUCKETS = tuple(float(2**k) for k in range(20, 38))  # 1 MiB/s .. 128 GiB/s
 
@@ -61,12 +67,49 @@ class MergedEngineMetrics:
         self.engine_metrics = engine_metrics
         self.router_metrics = router_metrics
         self.worker_texts: dict[str, bytes] = {}
+        self._refs: dict[str, Any] = {}  # worker -> its metrics_text call in flight
+        self._refreshed_ns = 0
 
     def __getattr__(self, name: str) -> Any:  # gauges, histograms, observe_*: the router's EngineMetrics
         return getattr(self.engine_metrics, name)
 
     def render(self) -> bytes:
         texts = [self.engine_metrics.render(), self.router_metrics.render(), *self.worker_texts.values()]
+        return merge_exposition(texts)
+
+    def refresh(self, workers: Iterable[Any], every_s: float = 1.0) -> None:
+        """Keep each live worker's text fresh (for render) without blocking: collect the answers
+        that arrived, ask again every `every_s`. A dead worker is noticed by its poll, not here."""
+        import ray
+
+        for name, ref in list(self._refs.items()):
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                del self._refs[name]
+                try:
+                    self.worker_texts[name] = ray.get(ref)
+                except Exception:  # noqa: BLE001
+                    self.worker_texts.pop(name, None)
+        now = time.monotonic_ns()
+        if now - self._refreshed_ns > every_s * 1e9:
+            self._refreshed_ns = now
+            for w in workers:
+                if w.alive and w.name not in self._refs:
+                    self._refs[w.name] = w.actor.metrics_text.remote()
+
+    def render_now(self, workers: Iterable[Any], timeout_s: float) -> bytes:
+        """render() with every live worker's text fetched now (waits up to timeout_s per worker)."""
+        import ray
+
+        texts = [self.engine_metrics.render(), self.router_metrics.render()]
+        alive = [w for w in workers if w.alive]
+        refs = [w.actor.metrics_text.remote() for w in alive]
+        for w, ref in zip(alive, refs):
+            try:
+                texts.append(ray.get(ref, timeout=timeout_s))
+                self.worker_texts[w.name] = texts[-1]
+            except Exception as e:  # noqa: BLE001 - a worker that dies now is reported by the next step
+                logger.debug("metrics of %s: %r", w.name, e)
         return merge_exposition(texts)
 
 
@@ -92,3 +135,47 @@ def merge_exposition(texts: list[bytes]) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(list(families.values())))  # type: ignore[arg-type]
     return generate_latest(registry)
+
+
+class WorkerPrometheus:
+    """Per-worker gauges and counters of disaggregation, next to the engine's own registry."""
+
+    def __init__(self, name: str, role: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"worker": name, "role": role}
+        names = list(labels)
+
+        def gauge(metric: str, doc: str) -> Any:
+            return Gauge(metric, doc, names, registry=self.registry).labels(**labels)
+
+        self.busy = gauge("phaselab_worker_busy_ratio", "Fraction of the worker's lifetime spent in iterations.")
+        self.parked = gauge("phaselab_worker_kv_leases", "Prefill: parked requests whose KV is leased, awaiting pickup.")
+        self.transfer_queue = gauge("phaselab_worker_kv_transfer_queue_length", "Decode: KV transfers not started.")
+        self.staged = gauge("phaselab_worker_kv_staged_requests", "Decode: KV received, waiting for free blocks.")
+        self._leases = Counter("phaselab_worker_kv_leases_ended", "Prefill: leases ended, by outcome "
+                               "(acked, released, expired, aborted, replaced).", [*names, "outcome"],
+                               registry=self.registry)
+        self._transfers = Counter("phaselab_worker_kv_transfers", "Decode: KV fetches, by outcome (ok, failed).",
+                                  [*names, "outcome"], registry=self.registry)
+        self.labels = labels
+
+    def set_stats(self, s: WorkerStats) -> None:
+        self.busy.set(s.busy_fraction)
+        self.parked.set(s.num_parked)
+        self.transfer_queue.set(s.num_transfer_queue)
+        self.staged.set(s.num_staged)
+
+    def lease_ended(self, outcome: str) -> None:
+        self._leases.labels(**self.labels, outcome=outcome or "released").inc()
+
+    def transfer(self, outcome: str) -> None:
+        self._transfers.labels(**self.labels, outcome=outcome).inc()
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+

@@ -37,13 +37,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phaselab.config import EngineArgs
-from phaselab.core.outputs import TokenLogprobs
+from phaselab.core.outputs import EngineStats, TokenLogprobs
+from phaselab.core.prompt import validate_prompt
+from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.routing import RoutingPolicy, WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics
+from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.disagg.config import DisaggConfig
-from phaselab.disagg.connector import KVSource, handshake
-from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics, merge_exposition
+from phaselab.disagg.connector import KVSource
+from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics
+from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
 from phaselab.disagg.protocol import (
     AdmittedEvent,
     FailureEvent,
@@ -53,38 +56,15 @@ from phaselab.disagg.protocol import (
     TransferSpec,
     WorkerReport,
 )
-from phaselab.disagg.worker import (
-    DisaggWorker,
-    WorkerHandle,
-    _boot_id,
-    checkpoint_to_wire,
-    worker_env,
-)
+from phaselab.disagg.pool import describe_workers, ensure_ray, handshake_workers, start_workers
+from phaselab.disagg.process import WorkerHandle, boot_id, checkpoint_to_wire
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
-from phaselab.errors import ConfigError, InvalidRequestError
+from phaselab.errors import InvalidRequestError
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
 
 logger = logging.getLogger("phaselab.disagg")
 
-# Ray's core installs an absl failure-signal handler in the driver that logs a stack and re-raises
-# SIGTERM: a server then sees two SIGTERMs (drain, then abort) and may exit by SIGABRT. Read when
-# `ray` is imported, so set before the first import (ray is imported lazily below).
-os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-
-
-def ensure_ray(address: str | None, config: DisaggConfig) -> None:
-    """Join `address`, or start Ray locally (small object store, no dashboard) unless running."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, log_to_driver=True)
-    else:
-        # "local": a new instance of our own, never a cluster someone else started on this machine
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, object_store_memory=config.object_store_memory,
-                 include_dashboard=False, log_to_driver=True)
 
 
 @dataclass
@@ -136,6 +116,7 @@ class DisaggEngine:
         prefill_overrides: dict[str, Any] | None = None,
         decode_overrides: dict[str, Any] | None = None,
         checkpoint: Any = None,
+        keep_records: bool = True,
     ) -> None:
         import ray
 
@@ -145,20 +126,18 @@ class DisaggEngine:
         self.decode_policy = decode_policy or make_routing_policy(args.routing_policy)
         self.worker, self.role = "router", "router"
         self.stamp_sent = True
-        self.recording = True
-        self.finished_requests: list[RequestMetrics] = []
-        self.iterations: list[IterationRecord] = []
         self.router_metrics = RouterMetrics()
         # request metrics of the one record per request; render() merges every worker's registry too
         self.metrics = MergedEngineMetrics(EngineMetrics(labels={"worker": "router", "role": "router"}),
                                            self.router_metrics)
-        self._metrics_refs: dict[str, Any] = {}
-        self._metrics_refreshed_ns = 0
+        # the one record per request, assembled here from the workers' (record.py); without
+        # keep_records (a server without --record) closed records and iterations are only observed
+        self.recorder = PhaseRecorder("router", "router", keep=keep_records,
+                                      on_finished=lambda m: observe_router_record(self.metrics, self.router_metrics, m))
         self._requests: dict[str, _Request] = {}
-        self._awaiting_delivery: dict[str, RequestMetrics] = {}
         self._next_id = 0
         self._attempt_seq = 0
-        self._boot_id = _boot_id()
+        self._boot_id = boot_id()
 
         from phaselab.spec.bundled import default_model_path
         from phaselab.spec.tokenizer import load_tokenizer
@@ -172,26 +151,9 @@ class DisaggEngine:
         ckpt_ref = None
         if checkpoint is not None:
             ckpt_ref = ray.put(checkpoint_to_wire(checkpoint))
-        cores = os.cpu_count() or 1
-        num_workers = args.prefill_workers + args.decode_workers
-        default_threads = max(1, cores // num_workers)
-        self.workers: dict[str, WorkerHandle] = {}
-        remote_cls = ray.remote(DisaggWorker)
-        for role, count, threads, overrides, resources in (
-            ("prefill", args.prefill_workers, args.prefill_threads, prefill_overrides, config.prefill_resources),
-            ("decode", args.decode_workers, args.decode_threads, decode_overrides, config.decode_resources),
-        ):
-            n = threads or default_threads
-            wargs = dataclasses.replace(args, mode="colocated", num_threads=n, **(overrides or {}))
-            for i in range(count):
-                name = f"{role}-{i}"
-                actor = remote_cls.options(
-                    num_cpus=config.worker_num_cpus, max_concurrency=16, max_restarts=0,
-                    resources=dict(resources) or None, runtime_env={"env_vars": worker_env(n)},
-                ).remote(name, role, wargs, config, ckpt_ref)
-                self.workers[name] = WorkerHandle(name, role, actor)
+        self.workers = start_workers(args, config, ckpt_ref, prefill_overrides, decode_overrides)
         try:
-            self._handshake_all()
+            handshake_workers(self.workers, config, self._boot_id)
         except BaseException:
             self.shutdown()
             raise
@@ -203,38 +165,7 @@ class DisaggEngine:
         self.model_config = infos[0].model_config
         model = infos[0].run_config.get("model", {})
         self.checkpoint_path, self.checkpoint_format = model.get("path"), model.get("format")
-        self.scheduler = _QueuesView(self)  # what a server reads of an engine's scheduler
         self.started_ns = time.monotonic_ns()
-
-    # -- start-up: handshake, clocks, layouts --------------------------------------------------------------
-    def _handshake_all(self) -> None:
-        import ray
-
-        refs = {w.actor.handshake.remote(): w for w in self.workers.values()}
-        try:
-            infos = ray.get(list(refs), timeout=self.config.worker_start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise ConfigError(f"disagg workers did not start within worker_start_timeout_s="
-                              f"{self.config.worker_start_timeout_s:g} s (model load); is the Ray cluster big enough "
-                              "(resources, memory)?") from None
-        except ray.exceptions.RayTaskError as e:  # the worker's __init__ raised: show its error
-            raise e.cause if isinstance(getattr(e, "cause", None), Exception) else e from None
-        for w, info in zip(refs.values(), infos):
-            w.info = info
-            # a second, short call measures the clock offset (round trip bounds its error)
-            t0 = time.monotonic_ns()
-            again = ray.get(w.actor.handshake.remote(), timeout=self.config.worker_timeout_s)
-            t1 = time.monotonic_ns()
-            if again.boot_id == self._boot_id:
-                w.clock_offset_ns, w.clock_error_ns = 0, 0  # one host, one boot: one monotonic clock
-            else:
-                w.clock_offset_ns = again.monotonic_ns - (t0 + t1) // 2
-                w.clock_error_ns = (t1 - t0) // 2
-        prefills = [w for w in self.workers.values() if w.role == "prefill"]
-        for d in (w for w in self.workers.values() if w.role == "decode"):
-            for p in prefills:
-                assert p.info is not None and d.info is not None
-                handshake(p.info.layout, d.info.layout, p.name, d.name)
 
     # -- LLMEngine's surface ---------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -246,31 +177,27 @@ class DisaggEngine:
         return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < self.vocab_size)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (prompt plus at least one "
-                "output token must fit); shorten the prompt or raise --max-model-len / --kv-cache-memory")
+        validate_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrived_ns: int | None = None) -> str:
+                    request_id: str | None = None, arrived_ns: int | None = None, *,
+                    tokenized_ns: int | None = None, queued_ns: int | None = None,
+                    prompt_text: str | None = None) -> str:
+        """As LLMEngine.add_request. `queued_ns` is not the router's to stamp: the record's queue
+        is the prefill worker's (from when the request reached it), whatever the caller passes."""
+        del queued_ns
         arrived_ns = arrived_ns or time.monotonic_ns()
         params = params or SamplingParams()
         rid = request_id or self.new_request_id()
         if rid in self._requests:
             raise InvalidRequestError(f"request id {rid!r} is already in use")
         ids = self.tokenize(prompt)
-        tokenized_ns = time.monotonic_ns()
+        tokenized_ns = tokenized_ns or time.monotonic_ns()
         self.validate_prompt(ids)
-        m = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, request_id=rid,
-                           num_prompt_tokens=len(ids))
+        m = self.recorder.open(rid, len(ids), arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=None,
+                               worker="")
         timeout = self.config.request_timeout_s
-        r = _Request(rid, ids, params, prompt if isinstance(prompt, str) else None, m,
+        r = _Request(rid, ids, params, prompt if isinstance(prompt, str) else prompt_text, m,
                      None if timeout is None else arrived_ns + int(timeout * 1e9),
                      logprobs=[] if params.logprobs is not None else None)
         self._requests[rid] = r
@@ -310,18 +237,41 @@ class DisaggEngine:
                 if r.phase == "finished":
                     finished.append(r)
         sent_ns = time.monotonic_ns()
-        for out in outputs:
-            m = out.metrics
-            if self.stamp_sent:
-                m.token_sent_ns.extend(sent_ns for _ in range(len(m.token_sampled_ns) - len(m.token_sent_ns)))
+        if self.stamp_sent:
+            for out in outputs:
+                self.recorder.stamp_sent(out.metrics, sent_ns)
         for r in finished:
             self._close(r, sent_ns if self.stamp_sent else None)
         return outputs
 
     def mark_delivered(self, request_id: str, sent_ns: int) -> None:
-        m = self._awaiting_delivery.pop(request_id, None)
-        if m is not None:
-            self._close_record(m, sent_ns)
+        self.recorder.mark_delivered(request_id, sent_ns)
+
+    def stats(self) -> EngineStats:
+        """Queues over the router's requests (waiting: not decoding yet, i.e. queued, prefilling or
+        waiting for the KV transfer), KV usage over every live worker (from their last reports)."""
+        reqs = self._requests.values()
+        stats = [w.stats for w in self.workers.values() if w.alive and w.stats]
+        total = sum(s.num_blocks_total for s in stats)
+        used = sum(s.num_blocks_used for s in stats)
+        return EngineStats(sum(1 for r in reqs if r.phase == "prefill"), sum(1 for r in reqs if r.phase == "decode"),
+                           len(self._requests), used / total if total else 0.0, used, self.recorder.stats())
+
+    @property
+    def finished_requests(self) -> list[RequestMetrics]:
+        return self.recorder.requests
+
+    @property
+    def iterations(self) -> list[IterationRecord]:
+        return self.recorder.iterations
+
+    @property
+    def recording(self) -> bool:
+        return self.recorder.enabled
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        self.recorder.enabled = on
 
     # -- polling -------------------------------------------------------------------------------------------------
     def _pump(self, wait_s: float) -> None:
@@ -348,7 +298,7 @@ class DisaggEngine:
                 self._worker_died(w, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}")
                 continue
             self._apply(w, report)
-        self._refresh_worker_metrics()
+        self.metrics.refresh(self.workers.values())  # worker texts for /metrics, without blocking
         now = time.monotonic_ns()
         for w in self.workers.values():  # a worker that stays silent is as good as dead
             if w.alive and w.poll_ref is not None and now - w.poll_issued_ns > (
@@ -356,29 +306,10 @@ class DisaggEngine:
                 ray.kill(w.actor)
                 self._worker_died(w, f"no answer for {cfg.worker_timeout_s:g} s (worker_timeout_s)")
 
-    def _refresh_worker_metrics(self, every_s: float = 1.0) -> None:
-        """Keep each live worker's Prometheus text fresh (for metrics.render) without blocking."""
-        import ray
-
-        for name, ref in list(self._metrics_refs.items()):
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                del self._metrics_refs[name]
-                try:
-                    self.metrics.worker_texts[name] = ray.get(ref)
-                except Exception:  # noqa: BLE001 - a dead worker is noticed by its poll
-                    self.metrics.worker_texts.pop(name, None)
-        now = time.monotonic_ns()
-        if now - self._metrics_refreshed_ns > every_s * 1e9:
-            self._metrics_refreshed_ns = now
-            for w in self.workers.values():
-                if w.alive and w.name not in self._metrics_refs:
-                    self._metrics_refs[w.name] = w.actor.metrics_text.remote()
-
     def _apply(self, w: WorkerHandle, report: WorkerReport) -> None:
         w.stats = report.stats
         for rec in report.iterations:
-            self.iterations.append(_shift_iteration(rec, w.clock_offset_ns))
+            self.recorder.add_iteration(shift_iteration(rec, w.clock_offset_ns))
         for ev in report.events:
             r = self._requests.get(ev.request_id)
             if isinstance(ev, TokenEvent):
@@ -403,30 +334,10 @@ class DisaggEngine:
             if ev.kv is not None:  # a stale prefill (re-routed meanwhile): free its KV there
                 w.actor.release_kv.remote(ev.request_id, "released", ev.kv.attempt)
             return
-        m, off = r.metrics, w.clock_offset_ns
-        rec = _shift_metrics(ev.record, off) if ev.record is not None else None
         if w.role == "prefill":
             self._unload(r, w.name)
-            m.worker = w.name
-            if rec is not None:
-                if m.first_token_sampled_ns is None:  # the first prefill of this request
-                    m.queued_ns, m.first_scheduled_ns = rec.queued_ns, rec.first_scheduled_ns
-                    m.prefill_chunks = rec.prefill_chunks
-                    m.recompute_chunks += rec.recompute_chunks
-                    m.num_cached_tokens = rec.num_cached_tokens
-                else:  # a re-prefill after the KV was lost: recomputation
-                    m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
-                self._merge_preemptions(m, rec)
-        elif rec is not None:
-            m.decode_worker = w.name
-            m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
-            self._merge_preemptions(m, rec)
+        merge_worker_tokens(r.metrics, w.name, w.role, w.clock_offset_ns, ev.record, ev.sampled_ns, ev.iteration_ids)
         r.output_token_ids += ev.new_token_ids
-        sampled = [t - off for t in ev.sampled_ns]
-        if m.first_token_sampled_ns is None and sampled:
-            m.first_token_sampled_ns = sampled[0]
-        m.token_sampled_ns += sampled
-        m.token_iteration_ids += ev.iteration_ids
         r.text = ev.text
         if r.logprobs is not None and ev.logprobs:
             r.logprobs += ev.logprobs
@@ -437,25 +348,12 @@ class DisaggEngine:
             r.kv, r.sampler_state = ev.kv, ev.sampler_state
             self._to_decode(r)
 
-    @staticmethod
-    def _merge_preemptions(m: RequestMetrics, rec: RequestMetrics) -> None:
-        m.preempted_ns += rec.preempted_ns
-        m.resumed_ns += rec.resumed_ns
-        m.num_preemptions += rec.num_preemptions
-
     def _on_transfer(self, w: WorkerHandle, r: _Request, ev: TransferEvent) -> None:
-        off = w.clock_offset_ns
-        m = r.metrics
-        m.kv_transfer_queued_ns, m.kv_transfer_start_ns, m.kv_transfer_end_ns = (
-            ev.queued_ns - off, ev.start_ns - off, ev.end_ns - off)
         src = r.kv
+        export_start_ns = None
         if src is not None and src.export_start_ns is not None:
-            # the transport copied the KV out when the request parked: the transfer started there
-            # (queued and started at once; the routing hop to the decode worker is inside it)
-            start = src.export_start_ns - self.workers[src.worker].clock_offset_ns
-            m.kv_transfer_queued_ns = m.kv_transfer_start_ns = start
-        m.kv_transfer_bytes = ev.num_bytes
-        m.decode_admitted_ns = None
+            export_start_ns = src.export_start_ns - self.workers[src.worker].clock_offset_ns
+        merge_transfer(r.metrics, ev, w.clock_offset_ns, export_start_ns)
         r.kv = None  # acknowledged: the prefill worker frees it, the decode worker holds it now
 
     def _on_failure(self, w: WorkerHandle, r: _Request, ev: FailureEvent) -> None:
@@ -617,29 +515,7 @@ class DisaggEngine:
 
     def _close(self, r: _Request, finished_ns: int | None) -> None:
         self._requests.pop(r.request_id, None)
-        m = r.metrics
-        m.finish_reason, m.error = r.finish_reason, r.error
-        m.num_output_tokens = len(r.output_token_ids)
-        if finished_ns is None:
-            self._awaiting_delivery[m.request_id] = m
-        else:
-            self._close_record(m, finished_ns)
-
-    def _close_record(self, m: RequestMetrics, finished_ns: int) -> None:
-        m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
-        if not self.recording:
-            return
-        self.metrics.observe_finished(m)
-        rm = self.router_metrics
-        if m.transfer_s is not None and m.kv_transfer_bytes is not None:
-            rm.transfer_bytes_total.inc(m.kv_transfer_bytes)
-            if m.transfer_s > 0:
-                rm.transfer_bandwidth.observe(m.kv_transfer_bytes / m.transfer_s)
-        if m.decode_admission_wait_s is not None:
-            rm.decode_admission_wait.observe(m.decode_admission_wait_s)
-        if m.first_token_sampled_ns is not None and m.kv_transfer_start_ns is not None:
-            rm.transfer_queue.observe((m.kv_transfer_start_ns - m.first_token_sampled_ns) / 1e9)
-        self.finished_requests.append(m)
+        self.recorder.finish(r.request_id, r.finish_reason, len(r.output_token_ids), finished_ns, error=r.error)
 
     # -- observation -----------------------------------------------------------------------------------------------
     def worker_stats(self, timeout_s: float = 10.0) -> dict[str, Any]:
@@ -658,34 +534,11 @@ class DisaggEngine:
 
     def render_metrics(self, timeout_s: float = 10.0) -> bytes:
         """One Prometheus text: the router's registries and every live worker's (fetched now), merged."""
-        import ray
-
-        texts = [self.metrics.engine_metrics.render(), self.router_metrics.render()]
-        alive = [w for w in self.workers.values() if w.alive]
-        refs = [w.actor.metrics_text.remote() for w in alive]
-        for w, ref in zip(alive, refs):
-            try:
-                texts.append(ray.get(ref, timeout=timeout_s))
-                self.metrics.worker_texts[w.name] = texts[-1]
-            except Exception as e:  # noqa: BLE001 - a worker that dies now is reported by the next step
-                logger.debug("metrics of %s: %r", w.name, e)
-        return merge_exposition(texts)
+        return self.metrics.render_now(self.workers.values(), timeout_s)
 
     def run_config(self) -> dict[str, Any]:
         import phaselab
 
-        workers = {}
-        for w in self.workers.values():
-            info = w.info
-            workers[w.name] = {
-                "role": w.role, "alive": w.alive, "death": w.death,
-                "node_id": info.node_id if info else None, "hostname": info.hostname if info else None,
-                "pid": info.pid if info else None,
-                "clock_offset_ns": w.clock_offset_ns, "clock_offset_error_ns": w.clock_error_ns,
-                "last_stats": ({**dataclasses.asdict(w.stats), "busy_fraction": w.stats.busy_fraction}
-                               if w.stats is not None else None),
-                "engine": info.run_config if info else None,
-            }
         return {
             "mode": "disagg",
             "worker": "router",
@@ -694,7 +547,7 @@ class DisaggEngine:
             "disagg": dataclasses.asdict(self.config),
             "kv_layout": dataclasses.asdict(self.layout),
             "routing": {"prefill": type(self.prefill_policy).__name__, "decode": type(self.decode_policy).__name__},
-            "workers": workers,
+            "workers": describe_workers(self.workers),
             "versions": {"phaselab": phaselab.__version__, "python": platform.python_version()},
             "machine": {"platform": platform.platform(), "cpu_count": os.cpu_count()},
         }
@@ -727,65 +580,3 @@ class DisaggEngine:
         import ray
 
         ray.kill(self.workers[name].actor)
-
-
-class _QueuesView:
-    """The router seen as a scheduler by a server: queue lengths and KV usage over all workers."""
-
-    def __init__(self, engine: DisaggEngine) -> None:
-        self._engine = engine
-        self.kv_cache_manager = self  # block_pool below
-        self.block_pool = self
-
-    @property
-    def requests(self) -> dict[str, Any]:
-        return self._engine._requests
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests not decoding yet: queued or prefilling, or waiting for their KV transfer."""
-        return sum(1 for r in self._engine._requests.values() if r.phase == "prefill")
-
-    @property
-    def num_running(self) -> int:
-        return sum(1 for r in self._engine._requests.values() if r.phase == "decode")
-
-    @property
-    def num_used_blocks(self) -> int:
-        return sum(w.stats.num_blocks_used for w in self._engine.workers.values() if w.alive and w.stats)
-
-    @property
-    def usage(self) -> float:
-        stats = [w.stats for w in self._engine.workers.values() if w.alive and w.stats]
-        total = sum(s.num_blocks_total for s in stats)
-        return sum(s.num_blocks_used for s in stats) / total if total else 0.0
-
-
-# -- clocks ---------------------------------------------------------------------------------------------------
-def _shift_metrics(m: RequestMetrics, offset_ns: int) -> RequestMetrics:
-    """A worker's record in the router's clock (worker = router + offset)."""
-    if not offset_ns:
-        return m
-
-    def s(t: int | None) -> int | None:
-        return None if t is None else t - offset_ns
-
-    def chunks(cs: list[PrefillChunk]) -> list[PrefillChunk]:
-        return [dataclasses.replace(c, start_ns=c.start_ns - offset_ns, end_ns=c.end_ns - offset_ns) for c in cs]
-
-    return dataclasses.replace(
-        m, arrived_ns=m.arrived_ns - offset_ns, tokenized_ns=s(m.tokenized_ns), queued_ns=s(m.queued_ns),
-        first_scheduled_ns=s(m.first_scheduled_ns), prefill_chunks=chunks(m.prefill_chunks),
-        recompute_chunks=chunks(m.recompute_chunks), first_token_sampled_ns=s(m.first_token_sampled_ns),
-        kv_transfer_queued_ns=s(m.kv_transfer_queued_ns), kv_transfer_start_ns=s(m.kv_transfer_start_ns),
-        kv_transfer_end_ns=s(m.kv_transfer_end_ns), decode_admitted_ns=s(m.decode_admitted_ns),
-        token_sampled_ns=[t - offset_ns for t in m.token_sampled_ns],
-        token_sent_ns=[t - offset_ns for t in m.token_sent_ns],
-        preempted_ns=[t - offset_ns for t in m.preempted_ns], resumed_ns=[t - offset_ns for t in m.resumed_ns],
-        finished_ns=s(m.finished_ns))
-
-
-def _shift_iteration(rec: IterationRecord, offset_ns: int) -> IterationRecord:
-    if not offset_ns:
-        return rec
-    return dataclasses.replace(rec, start_ns=rec.start_ns - offset_ns, end_ns=rec.end_ns - offset_ns)

@@ -39,7 +39,7 @@ import traceback
 from collections import Counter as Tally
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from phaselab.config import EngineArgs
@@ -54,6 +54,8 @@ from phaselab.disagg.connector import (
     make_transport,
     pack,
 )
+from phaselab.disagg.metrics import WorkerPrometheus
+from phaselab.disagg.process import boot_id, checkpoint_from_wire, current_actor
 from phaselab.disagg.protocol import (
     AdmittedEvent,
     FailureEvent,
@@ -68,54 +70,6 @@ from phaselab.disagg.protocol import (
 from phaselab.errors import InvalidRequestError
 
 ROLES = ("prefill", "decode")
-
-
-def worker_env(num_threads: int) -> dict[str, str]:
-    """Environment of a worker process, fixed before torch loads."""
-    import phaselab
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(phaselab.__file__)))
-    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    n = str(num_threads)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": "PASSIVE",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
-
-
-def checkpoint_to_wire(ckpt: Any) -> dict[str, Any]:
-    """A loaded checkpoint as plain data whose tensors are numpy arrays: `ray.put` once, and every
-    worker of a node maps the same bytes (zero-copy) instead of reading and dequantizing the file."""
-    import torch
-
-    weights = {}
-    for name, t in ckpt.weights.items():
-        raw = t.contiguous().view(torch.int16) if t.dtype == torch.bfloat16 else t.contiguous()
-        weights[name] = (raw.numpy(), str(t.dtype).removeprefix("torch."))
-    return {"config": ckpt.config, "tokenizer": ckpt.tokenizer, "path": ckpt.path, "format": ckpt.format,
-            "quant_types": ckpt.quant_types, "weights": weights}
-
-
-def checkpoint_from_wire(wire: dict[str, Any]) -> Any:
-    import warnings
-
-    import torch
-
-    from phaselab.model.checkpoint import LoadedCheckpoint
-
-    weights = {}
-    with warnings.catch_warnings():  # read-only object-store buffers: the engine only copies from them
-        warnings.simplefilter("ignore", UserWarning)
-        for name, (array, dtype) in wire["weights"].items():
-            weights[name] = torch.from_numpy(array).view(getattr(torch, dtype))
-    return LoadedCheckpoint(wire["config"], weights, wire["tokenizer"], wire["path"], wire["format"],
-                            wire["quant_types"])
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            return f.read().strip()
-    except OSError:
-        return f"unknown-{socket.gethostname()}"
 
 
 @dataclass
@@ -160,15 +114,15 @@ class DisaggWorker:
 
         self.name, self.role, self.config = name, role, config
         ckpt = checkpoint_from_wire(checkpoint) if checkpoint is not None else None
-        self.engine = LLMEngine(args, checkpoint=ckpt, worker=name, role=role)
+        # the router keeps the one record per request: this engine stamps its part, closes none
+        self.engine = LLMEngine(args, checkpoint=ckpt, worker=name, role=role, closes_records=False)
         del ckpt
         self.started_ns = time.monotonic_ns()  # busy fraction counts from here (model loaded)
         self.fault_transfer_delay_s = config.fault_transfer_delay_s
-        self.engine.record_requests = False  # the router keeps the one record per request
         self.layout = KVLayout.of_engine(self.engine)
         self.transport = make_transport(args.kv_transport)  # prefill: how this worker exports
         self._transports: dict[str, Any] = {}  # decode: fetch with the transport each source names
-        self.handle = _current_actor() or self  # in-process (tests): peers call this object directly
+        self.handle = current_actor() or self  # in-process (tests): peers call this object directly
         self.counters: Tally[str] = Tally()
         self.busy_ns = 0
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -187,7 +141,7 @@ class DisaggWorker:
         self._staged_cv = threading.Condition()
         self._staged_bytes = 0
         self._cancelled: set[tuple[str, int]] = set()  # (request, attempt) aborted on this decode worker
-        self._prom = _WorkerPrometheus(name, role)
+        self._prom = WorkerPrometheus(name, role)
         self._loop_thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._loop_thread.start()
         if role == "decode":
@@ -200,7 +154,7 @@ class DisaggWorker:
         return WorkerInfo(
             name=self.name, role=self.role, layout=self.layout, max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.model_config.vocab_size, monotonic_ns=time.monotonic_ns(),
-            boot_id=_boot_id(), hostname=socket.gethostname(),
+            boot_id=boot_id(), hostname=socket.gethostname(),
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local", pid=os.getpid(),
             run_config=self.engine.run_config(), model_config=self.engine.model_config)
 
@@ -363,12 +317,13 @@ class DisaggWorker:
         elif self.engine.tracked(rid) is not None:
             self.engine.abort_request([rid])
         try:
+            # queued from when the request reached this worker: the wait for the step boundary is queueing
             self.engine.add_request(spec.prompt_token_ids, spec.params, request_id=rid, arrived_ns=spec.arrived_ns,
-                                    prefill_only=True, output_token_ids=spec.output_token_ids)
+                                    queued_ns=received_ns, prefill_only=True,
+                                    output_token_ids=spec.output_token_ids)
         except InvalidRequestError as e:
             self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
             return
-        self.engine.tracked(rid).metrics.queued_ns = received_ns  # type: ignore[union-attr]
         self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
 
     def _open_lease(self, rid: str, attempt: int) -> KVSource:
@@ -503,11 +458,9 @@ class DisaggWorker:
                     continue
                 if spec.sampler_state is not None:
                     self._restore_sampler_state(rid, spec.sampler_state)
-                # decode-local placeholders: the router takes only the decode phases from this record
-                m.decode_admitted_ns = m.first_scheduled_ns = m.first_token_sampled_ns = now
                 self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
                 self.counters["admitted"] += 1
-                self._emit(AdmittedEvent(rid, self.name, now, spec.attempt))
+                self._emit(AdmittedEvent(rid, self.name, m.decode_admitted_ns or now, spec.attempt))
             self._unstage()
 
     def _sampler_state(self, rid: str) -> bytes | None:
@@ -578,74 +531,3 @@ class DisaggWorker:
             events.append(ev)
         if events:
             self._emit(*events)
-
-
-def _current_actor() -> Any:
-    import ray
-
-    if not ray.is_initialized():
-        return None  # in-process worker (tests drive the class directly)
-    try:
-        return ray.get_runtime_context().current_actor
-    except Exception:  # noqa: BLE001 - a driver, not an actor
-        return None
-
-
-class _WorkerPrometheus:
-    """Per-worker gauges and counters of disaggregation, next to the engine's own registry."""
-
-    def __init__(self, name: str, role: str) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge
-
-        self.registry = CollectorRegistry(auto_describe=True)
-        labels = {"worker": name, "role": role}
-        names = list(labels)
-
-        def gauge(metric: str, doc: str) -> Any:
-            return Gauge(metric, doc, names, registry=self.registry).labels(**labels)
-
-        self.busy = gauge("phaselab_worker_busy_ratio", "Fraction of the worker's lifetime spent in iterations.")
-        self.parked = gauge("phaselab_worker_kv_leases", "Prefill: parked requests whose KV is leased, awaiting pickup.")
-        self.transfer_queue = gauge("phaselab_worker_kv_transfer_queue_length", "Decode: KV transfers not started.")
-        self.staged = gauge("phaselab_worker_kv_staged_requests", "Decode: KV received, waiting for free blocks.")
-        self._leases = Counter("phaselab_worker_kv_leases_ended", "Prefill: leases ended, by outcome "
-                               "(acked, released, expired, aborted, replaced).", [*names, "outcome"],
-                               registry=self.registry)
-        self._transfers = Counter("phaselab_worker_kv_transfers", "Decode: KV fetches, by outcome (ok, failed).",
-                                  [*names, "outcome"], registry=self.registry)
-        self.labels = labels
-
-    def set_stats(self, s: WorkerStats) -> None:
-        self.busy.set(s.busy_fraction)
-        self.parked.set(s.num_parked)
-        self.transfer_queue.set(s.num_transfer_queue)
-        self.staged.set(s.num_staged)
-
-    def lease_ended(self, outcome: str) -> None:
-        self._leases.labels(**self.labels, outcome=outcome or "released").inc()
-
-    def transfer(self, outcome: str) -> None:
-        self._transfers.labels(**self.labels, outcome=outcome).inc()
-
-    def render(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        return generate_latest(self.registry)
-
-
-@dataclass
-class WorkerHandle:
-    """The router's view of one worker actor."""
-
-    name: str
-    role: str
-    actor: Any
-    info: WorkerInfo | None = None
-    clock_offset_ns: int = 0  # worker clock - router clock
-    clock_error_ns: int = 0
-    alive: bool = True
-    death: str | None = None
-    stats: WorkerStats | None = None
-    poll_ref: Any = None
-    poll_issued_ns: int = 0
-    counters: dict[str, int] = field(default_factory=dict)

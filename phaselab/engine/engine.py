@@ -4,10 +4,12 @@
     step():  plan = scheduler.schedule()          # pure Python, core/
              result = executor.execute(plan)      # torch runner (or a cost model, or a remote worker)
              deltas = scheduler.update(plan, result)
-             outputs = self._process(...)         # detokenize, stop strings, phase timestamps
+             outputs = self._process(...)         # phase stamps (recorder), detokenize, stop strings
 
-Requests join and leave between steps (continuous batching). The engine owns the clock: it
-stamps the phase timestamps of core/timing.py around each step; core never reads a clock.
+Requests join and leave between steps (continuous batching). The engine owns the clock: it reads
+`time.monotonic_ns()` around each step and hands the times to its PhaseRecorder (core/recorder.py),
+the same recorder the disaggregated router and the simulator drive; core never reads a clock.
+Construction is two steps: `resolve()` (engine/resolve.py: pure sizing) and the model build.
 """
 
 from __future__ import annotations
@@ -23,18 +25,20 @@ from typing import Any
 
 import torch
 
-from phaselab.config import EngineArgs, parse_bytes, runtime_settings, tune_allocator
-from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.config import EngineArgs, runtime_settings, tune_allocator
 from phaselab.core.executor import Executor
-from phaselab.core.outputs import RequestDelta, SchedulerOutput, StepResult, TokenLogprobs
+from phaselab.core.outputs import EngineStats, RequestDelta, SchedulerOutput, StepResult, TokenLogprobs
+from phaselab.core.prompt import validate_prompt
+from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.request import Request, RequestStatus
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk
+from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
-from phaselab.engine.runner import ModelRunner, kv_block_bytes
-from phaselab.errors import ConfigError, InvalidRequestError
+from phaselab.engine.resolve import resolve
+from phaselab.engine.runner import ModelRunner
+from phaselab.errors import InvalidRequestError
 from phaselab.model.checkpoint import LoadedCheckpoint
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
@@ -71,7 +75,8 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs | None = None, checkpoint: LoadedCheckpoint | None = None,
-                 worker: str = "engine-0", role: str = "colocated") -> None:
+                 worker: str = "engine-0", role: str = "colocated", *, keep_records: bool = True,
+                 closes_records: bool = True) -> None:
         args = args or EngineArgs()
         self.args = args
         if args.num_threads:
@@ -83,44 +88,13 @@ class LLMEngine:
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.checkpoint_path, self.checkpoint_format = ckpt.path, ckpt.format
 
-        block_bytes = kv_block_bytes(config, args.block_size, self.dtype)
-        num_blocks = parse_bytes(args.kv_cache_memory) // block_bytes
-        capacity = num_blocks * args.block_size
-        if num_blocks < 1:
-            raise ConfigError(
-                f"kv_cache_memory={args.kv_cache_memory} holds no KV block ({block_bytes} bytes each); raise it"
-            )
-        max_model_len = args.max_model_len or min(config.max_position_embeddings, capacity)
-        if max_model_len > capacity:
-            raise ConfigError(
-                f"max_model_len={max_model_len} tokens does not fit the KV cache ({capacity} tokens in "
-                f"{args.kv_cache_memory}); raise --kv-cache-memory to at least "
-                f"{-(-max_model_len // args.block_size) * block_bytes / 2**20:.0f}MiB or lower --max-model-len"
-            )
-        if max_model_len > config.max_position_embeddings:
-            raise ConfigError(
-                f"max_model_len={max_model_len} exceeds the model's context "
-                f"({config.max_position_embeddings} positions); lower --max-model-len"
-            )
-        budget = args.max_num_batched_tokens or (2048 if args.policy == "chunked" else max_model_len)
-        self.cache_config = CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching)
-        self.scheduler_config = SchedulerConfig(
-            policy=args.policy,
-            max_num_batched_tokens=budget,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            max_num_partial_prefills=args.max_num_partial_prefills,
-        )
+        resolved = resolve(args, config, torch.finfo(self.dtype).bits // 8)
+        self.cache_config, self.scheduler_config = resolved.cache, resolved.scheduler
+        num_blocks, max_model_len = resolved.cache.num_blocks, resolved.max_model_len
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
 
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config, max_positions=max_model_len)
-        model = model.to_empty(device="cpu").to(self.dtype)
-        model.rotary.__init__(config, max_model_len)  # buffers were on the meta device
-        model.load_weights(ckpt.weights, source=ckpt.path)
+        model = self._build_model(ckpt, max_model_len)
         del ckpt
-        model.eval()
         self.eos_token_ids = frozenset(config.eos_token_ids) | self.tokenizer.eos_token_ids
         self.executor: Executor = ModelRunner(
             model, num_blocks, args.block_size, self.dtype, Sampler(self.eos_token_ids, seed=args.seed)
@@ -130,26 +104,19 @@ class LLMEngine:
         # -- the phase record (docs/metrics.md) --
         self.worker, self.role = worker, role
         self.dtype_bytes = torch.finfo(self.dtype).bits // 8
-        self.stamp_sent = True
-        # iteration records, modeled costs, Prometheus, and the finished requests kept for the run
-        # directory; off only to measure what recording costs (benchmarks/record_overhead.py)
-        self.recording = True
-        # Off in disaggregated workers: their requests' one record is assembled by the router, so a
-        # worker neither keeps finished requests nor observes request metrics (iterations still are).
-        self.record_requests = True
-        # Keep every iteration and finished request for the run directory. A long-running server
-        # without --record turns this off, or both lists would grow without bound.
-        self.keep_records = True
-        self.iterations: list[IterationRecord] = []
-        self.finished_requests: list[RequestMetrics] = []
+        self.stamp_sent = True  # offline: "sent" = handed to the caller; a server stamps the socket write
         self.metrics = EngineMetrics(labels={"worker": worker, "role": role})
+        # keep_records: every closed request and iteration is kept for the run directory (off: a
+        # long-running server without --record only observes them); closes_records off in
+        # disaggregated workers, whose requests' one record the router assembles
+        self.recorder = PhaseRecorder(worker, role, keep=keep_records, closes=closes_records,
+                                      on_finished=self.metrics.observe_finished, on_iteration=self._observe_iteration)
         self._seen_query_tokens = self._seen_hit_tokens = 0
-        self._awaiting_delivery: dict[str, RequestMetrics] = {}
         self._ids = itertools.count()
         logger.info(
             "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
             config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, num_blocks,
-            args.block_size, max_model_len, args.policy, budget, runtime_settings(),
+            args.block_size, max_model_len, args.policy, self.scheduler_config.max_num_batched_tokens, runtime_settings(),
         )
 
     # -- requests --------------------------------------------------------------------------------
@@ -167,18 +134,17 @@ class LLMEngine:
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise InvalidRequestError (touching no state) for a prompt the engine cannot serve."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty; give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)), None)
-        if bad is not None:
-            raise InvalidRequestError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, but max_model_len is {self.max_model_len} (prompt plus at least "
-                f"one output token must fit); shorten the prompt or raise --max-model-len / --kv-cache-memory"
-            )
+        validate_prompt(prompt_token_ids, self.model_config.vocab_size, self.max_model_len)
+
+    def _build_model(self, ckpt: LoadedCheckpoint, max_model_len: int) -> LlamaForCausalLM:
+        """The model step of construction: modules on the meta device, then the checkpoint's weights."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(ckpt.config, max_positions=max_model_len)
+        model = model.to_empty(device="cpu").to(self.dtype)
+        model.rotary.__init__(ckpt.config, max_model_len)  # buffers were on the meta device
+        model.load_weights(ckpt.weights, source=ckpt.path)
+        model.eval()
+        return model
 
     def add_request(
         self,
@@ -187,20 +153,28 @@ class LLMEngine:
         request_id: str | None = None,
         arrived_ns: int | None = None,
         *,
+        tokenized_ns: int | None = None,
+        queued_ns: int | None = None,
+        prompt_text: str | None = None,
         prefill_only: bool = False,
         output_token_ids: list[int] | None = None,
     ) -> str:
-        """Queue a request. Disaggregated serving adds two options: `prefill_only` parks the
-        request (blocks kept, see Scheduler.parked) once its prefill sampled a token, and
-        `output_token_ids` resumes a request whose first outputs were sampled elsewhere: prompt
-        + outputs are recomputed, then the next token is sampled (as after a preemption)."""
+        """Queue a request. Stamps a caller measured itself: `arrived_ns` (default now),
+        `tokenized_ns` (a front that tokenized the prompt; default: when this call tokenized it),
+        `queued_ns` (default now: the wait for this call counts as admission). `prompt_text`: the
+        prompt's text when `prompt` is given as token ids (echoed in outputs).
+
+        Disaggregated serving adds two options: `prefill_only` parks the request (blocks kept, see
+        Scheduler.parked) once its prefill sampled a token, and `output_token_ids` resumes a
+        request whose first outputs were sampled elsewhere: prompt + outputs are recomputed, then
+        the next token is sampled (as after a preemption)."""
         arrived_ns = arrived_ns or time.monotonic_ns()
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self._tracked:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         prompt_ids = self.tokenize(prompt)
-        tokenized_ns = time.monotonic_ns()
+        tokenized_ns = tokenized_ns or time.monotonic_ns()
         self.validate_prompt(prompt_ids)
         request = Request(
             request_id, prompt_ids, params, arrival_time=arrived_ns / 1e9,
@@ -212,10 +186,10 @@ class LLMEngine:
                 request.append_output_token(token_id)
             detok.update(list(output_token_ids))
         self.scheduler.add_request(request)
-        metrics = RequestMetrics(arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=time.monotonic_ns(),
-                                 request_id=request_id, num_prompt_tokens=len(prompt_ids), worker=self.worker)
+        metrics = self.recorder.open(request_id, len(prompt_ids), arrived_ns=arrived_ns, tokenized_ns=tokenized_ns,
+                                     queued_ns=queued_ns or time.monotonic_ns(), request=request)
         self._tracked[request_id] = _Tracked(
-            request, prompt if isinstance(prompt, str) else None, detok, metrics,
+            request, prompt if isinstance(prompt, str) else prompt_text, detok, metrics,
             [] if params.logprobs is not None else None,
         )
         return request_id
@@ -229,12 +203,14 @@ class LLMEngine:
         params: SamplingParams,
         kv: torch.Tensor,
         metrics: RequestMetrics,
+        admitted_ns: int | None = None,
     ) -> bool:
         """Admit a request whose K/V (of prompt + outputs but the last) come from a prefill
         worker: allocate its blocks, write `kv` (shaped like ModelRunner.read_blocks' result) into
         them, and continue decoding it from the next step. False, changing nothing, when it cannot
         be admitted now (no free blocks or seat: backpressure, retry later). Between steps only.
-        `metrics` becomes this engine's record of the request (the caller pre-stamps it)."""
+        `metrics` becomes this engine's record of the request (the caller stamps its KV transfer),
+        decode admitted at `admitted_ns` (default: now)."""
         assert isinstance(self.executor, ModelRunner), "add_prefilled_request needs the local torch runner"
         self.validate_prompt(prompt_token_ids)
         request = Request(
@@ -251,6 +227,7 @@ class LLMEngine:
         self.executor.write_blocks(block_ids, kv)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         detok.update(list(output_token_ids))
+        self.recorder.admit(metrics, request, admitted_ns or time.monotonic_ns())
         self._tracked[request_id] = _Tracked(
             request, None, detok, metrics, [] if params.logprobs is not None else None)
         return True
@@ -270,6 +247,7 @@ class LLMEngine:
             return False
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
         self._tracked.pop(request_id, None)
+        self.recorder.drop(request_id)
         return True
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
@@ -282,7 +260,7 @@ class LLMEngine:
             if t is not None:
                 t.finish_reason = "abort"
                 out = self._output(t, finished=True)
-                self._finish_metrics(out.metrics, out.outputs[0], now)
+                self.recorder.finish(rid, "abort", len(out.outputs[0].token_ids), now)
                 outs.append(out)
         self.refresh_gauges()  # an idle engine runs no iteration that would update them
         return outs
@@ -294,6 +272,35 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        pool = sched.kv_cache_manager.block_pool
+        return EngineStats(sched.num_waiting, sched.num_running, len(sched.requests), pool.usage,
+                           pool.num_used_blocks, self.recorder.stats())
+
+    # -- the phase record's policy (PhaseRecorder) --------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        """Iteration records, modeled costs, Prometheus, kept records; off only to measure what
+        recording costs (benchmarks/record_overhead.py)."""
+        return self.recorder.enabled
+
+    @recording.setter
+    def recording(self, on: bool) -> None:
+        self.recorder.enabled = on
+
+    @property
+    def keep_records(self) -> bool:
+        return self.recorder.keep
+
+    @property
+    def finished_requests(self) -> list[RequestMetrics]:
+        return self.recorder.requests
+
+    @property
+    def iterations(self) -> list[IterationRecord]:
+        return self.recorder.iterations
 
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -311,28 +318,13 @@ class LLMEngine:
 
     def _process(self, plan: SchedulerOutput, deltas: list[RequestDelta], start_ns: int, end_ns: int
                  ) -> list[RequestOutput]:
-        """Phase timestamps, detokenization and stop strings; returns the outputs of this step.
-
-        A chunk spans its iteration: from before schedule() (start_ns) to the end of the forward
-        pass and sampling (end_ns), which is also when its token counts as sampled.
-        """
-        for rid in plan.preempted_request_ids:
-            if (t := self._tracked.get(rid)) is not None:
-                t.metrics.stamp_preempted(start_ns)
-        for s in plan.scheduled:
-            if (t := self._tracked.get(s.request_id)) is not None:
-                t.metrics.stamp_scheduled(plan.iteration_id, start_ns, end_ns, s.num_tokens, s.is_prefill,
-                                          t.request.num_cached_tokens)
+        """Phase stamps (the recorder), detokenization and stop strings; the outputs of this step."""
+        self.recorder.stamp_step(plan, deltas, start_ns, end_ns)
         outputs = []
         for d in deltas:
             t = self._tracked.get(d.request_id)
             if t is None:
                 continue
-            m = t.metrics
-            m.token_sampled_ns.extend(end_ns for _ in d.new_token_ids)
-            m.token_iteration_ids.extend(plan.iteration_id for _ in d.new_token_ids)
-            if m.first_token_sampled_ns is None and d.new_token_ids:
-                m.first_token_sampled_ns = end_ns
             if t.logprobs is not None and d.logprobs is not None:
                 t.logprobs.append(d.logprobs)
             t.new_token_ids = d.new_token_ids
@@ -349,61 +341,39 @@ class LLMEngine:
             outputs.append(self._output(t, finished))
         sent_ns = time.monotonic_ns()
         for out in outputs:
-            if self.stamp_sent:  # offline: "sent" = handed to the caller; the server stamps the socket write
-                out.metrics.token_sent_ns.extend(sent_ns for _ in range(len(out.metrics.token_sampled_ns)
-                                                                         - len(out.metrics.token_sent_ns)))
+            if self.stamp_sent:
+                self.recorder.stamp_sent(out.metrics, sent_ns)
             if out.finished:
-                self._finish_metrics(out.metrics, out.outputs[0], sent_ns if self.stamp_sent else None)
+                c = out.outputs[0]
+                self.recorder.finish(out.request_id, c.finish_reason, len(c.token_ids),
+                                     sent_ns if self.stamp_sent else None)
         return outputs
-
-    def _finish_metrics(self, m: RequestMetrics, c: CompletionOutput, finished_ns: int | None) -> None:
-        """Close a request's record: now (offline: its last token was just handed over), or, when
-        a server delivers the tokens (stamp_sent off), once it calls `mark_delivered`."""
-        m.finish_reason = c.finish_reason
-        m.num_output_tokens = len(c.token_ids)
-        if finished_ns is None:
-            self._awaiting_delivery[m.request_id] = m
-        else:
-            self._close_record(m, finished_ns)
 
     def mark_delivered(self, request_id: str, sent_ns: int) -> None:
         """The server wrote a finished request's last bytes at `sent_ns` (any thread may call)."""
-        m = self._awaiting_delivery.pop(request_id, None)
-        if m is not None:
-            self._close_record(m, sent_ns)
-
-    def _close_record(self, m: RequestMetrics, finished_ns: int) -> None:
-        m.finished_ns = max(finished_ns, m.token_sent_ns[-1] if m.token_sent_ns else 0)
-        if self.recording and self.record_requests:
-            self.metrics.observe_finished(m)
-            if self.keep_records:
-                self.finished_requests.append(m)
+        self.recorder.mark_delivered(request_id, sent_ns)
 
     def _record_iteration(self, plan: SchedulerOutput, result: StepResult, t0: int, t1: int, t2: int) -> None:
-        """The iteration record (core/timing.py), Prometheus, and the prefix-cache counters."""
+        """The iteration record (the recorder: kept and observed) with this plan's modeled cost."""
         if plan.is_empty:
             return
         sched = self.scheduler
-        rec = IterationRecord(
-            iteration_id=plan.iteration_id, worker=self.worker, role=self.role, start_ns=t0,
-            end_ns=time.monotonic_ns(), schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
-            forward_ns=result.forward_ns, sample_ns=result.sample_ns,
-            num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
-            chunks=[ScheduledChunk(s.request_id, s.num_tokens, s.is_prefill, s.context_len) for s in plan.scheduled],
-            num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
+        end_ns = time.monotonic_ns()
+        self.recorder.iteration(
+            plan, start_ns=t0, end_ns=end_ns, schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
+            forward_ns=result.forward_ns, sample_ns=result.sample_ns, output_ns=end_ns - t2,
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            preempted_request_ids=list(plan.preempted_request_ids),
-            modeled=modeled_cost(self.model_config, plan, self.dtype_bytes),
-        )
-        rec.output_ns = rec.end_ns - t2
+            modeled=modeled_cost(self.model_config, plan, self.dtype_bytes))
+
+    def _observe_iteration(self, rec: IterationRecord) -> None:
+        """Prometheus of one iteration, and the prefix-cache counters since the last."""
+        sched = self.scheduler
         stats = sched.prefix_cache_stats
         self.metrics.add_prefix_cache(stats.num_query_tokens - self._seen_query_tokens,
                                       stats.num_hit_tokens - self._seen_hit_tokens)
         self._seen_query_tokens, self._seen_hit_tokens = stats.num_query_tokens, stats.num_hit_tokens
         pool = sched.kv_cache_manager.block_pool
-        self.metrics.observe_iteration(rec, sched.num_running, sched.num_waiting, pool.usage, pool.num_used_blocks)
-        if self.keep_records:
-            self.iterations.append(rec)
+        self.metrics.observe_iteration(rec, rec.num_running, rec.num_waiting, pool.usage, pool.num_used_blocks)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (teacher forcing), outside the loop.
@@ -464,6 +434,9 @@ class LLMEngine:
         """Write the run directory (docs/run-directory.md): every finished request, every iteration."""
         write_run_dir(path, list(self.finished_requests), list(self.iterations), self.run_config(),
                       self.metrics.render())
+
+    def shutdown(self) -> None:
+        """Nothing to stop in-process (the ServingEngine surface; a disaggregated engine stops its workers)."""
 
     def tracked(self, request_id: str) -> _Tracked | None:
         return self._tracked.get(request_id)

@@ -38,20 +38,17 @@ class LLM:
 
     def __init__(self, model: str | None = None, dtype: str = "auto", kv_cache_memory: str | int = "2GiB",
                  **engine_options: Any) -> None:
-        if engine_options.get("mode") == "disagg":  # prefill/decode worker pools on Ray (docs/disaggregation.md)
-            from phaselab.disagg.router import DisaggEngine
+        # the one factory above engine/ and disagg/ (mode="disagg": prefill/decode pools on Ray)
+        from phaselab.serving_engine import make_engine
 
-            disagg_config = engine_options.pop("disagg_config", None)
-            self.engine = DisaggEngine(  # type: ignore[assignment]
-                EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory, **engine_options), disagg_config)
-            return
-        self.engine = LLMEngine(EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory, **engine_options))
+        disagg_config = engine_options.pop("disagg_config", None)
+        self.engine: Any = make_engine(
+            EngineArgs(model=model, dtype=dtype, kv_cache_memory=kv_cache_memory, **engine_options),
+            disagg_config=disagg_config)
 
     def shutdown(self) -> None:
         """Stop the workers of a disaggregated engine (nothing to do for a colocated one)."""
-        stop = getattr(self.engine, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.engine.shutdown()
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
@@ -99,8 +96,7 @@ class LLM:
             for k in range(params.n):
                 child = params if params.n == 1 else dataclasses.replace(
                     params, n=1, seed=None if params.seed is None else params.seed + k)
-                rid = eng.add_request(ids, child)
-                eng.tracked(rid).prompt = p if isinstance(p, str) else None  # type: ignore[union-attr]
+                rid = eng.add_request(ids, child, prompt_text=p if isinstance(p, str) else None)
                 ids_of_prompt.append(rid)
             children.append(ids_of_prompt)
         finished: dict[str, RequestOutput] = {}

@@ -230,7 +230,8 @@ def create_app(state: ServerState) -> FastAPI:
             status = "draining"
         ok = status == "ready"
         body: dict[str, Any] = {"status": "ok" if ok else status, "num_running": state.engine.num_running,
-                                "num_waiting": state.engine.num_waiting}
+                                "num_waiting": state.engine.num_waiting,
+                                "records": state.engine.records}  # what the phase recorder holds
         if state.engine.error and status in (DEAD, FAILED):
             body["error"] = state.engine.error
         return JSONResponse(body, status_code=200 if ok else 503)
@@ -451,20 +452,14 @@ def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", 
     """Serve until SIGTERM/SIGINT, then drain and return the exit code (0 after a clean drain)."""
     import uvicorn
 
-    from phaselab.engine.engine import LLMEngine
+    from phaselab.serving_engine import make_engine
 
-    def make_engine() -> Any:
-        if getattr(engine_args, "mode", "colocated") == "disagg":  # prefill/decode workers on Ray
-            from phaselab.disagg.router import DisaggEngine
-
-            return DisaggEngine(engine_args)
-        engine = LLMEngine(engine_args)
+    def build_engine() -> Any:
         # without --record nothing reads the kept records, and a long-running server would
-        # accumulate every iteration and request forever
-        engine.keep_records = config.record_dir is not None
-        return engine
+        # accumulate every iteration and request forever: observe them into Prometheus and drop them
+        return make_engine(engine_args, keep_records=config.record_dir is not None)
 
-    state = ServerState(config, EngineThread(make_engine))
+    state = ServerState(config, EngineThread(build_engine))
     app = create_app(state)
 
     class Server(uvicorn.Server):

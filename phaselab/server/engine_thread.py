@@ -34,7 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phaselab.core.outputs import TokenLogprobs
+from phaselab.core.outputs import EngineStats, TokenLogprobs
+from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import RequestMetrics
 
@@ -104,6 +105,7 @@ class EngineThread:
         self.num_engine_waiting = 0
         self.num_running = 0
         self.num_unfinished = 0
+        self.records: dict[str, int] = {}  # what the engine's phase recorder holds (engine.stats().records)
         self._num_pending_adds = 0  # engine requests sent with add() and not applied yet
         # engine-thread state
         self._routes: dict[str, _Route] = {}
@@ -200,9 +202,13 @@ class EngineThread:
 
     def _on_batch(self, acks: list[tuple[asyncio.Future[Any], Any, BaseException | None]],
                   deliveries: list[tuple[asyncio.Queue[Delta], Delta]], num_adds: int,
-                  stats: tuple[int, int, int], status: tuple[str, str | None] | None) -> None:
+                  stats: EngineStats | None, status: tuple[str, str | None] | None) -> None:
         self._num_pending_adds -= num_adds
-        self.num_engine_waiting, self.num_running, self.num_unfinished = stats
+        if stats is None:
+            self.num_engine_waiting = self.num_running = self.num_unfinished = 0
+        else:
+            self.num_engine_waiting, self.num_running = stats.num_waiting, stats.num_running
+            self.num_unfinished, self.records = stats.num_unfinished, stats.records
         if status is not None:
             self.status, self.error = status
             if self._ready is not None and status[0] != LOADING:
@@ -245,12 +251,10 @@ class EngineThread:
             self._flush()
         if self._dead:
             self._serve_dead()
-        shutdown = getattr(engine, "shutdown", None)  # e.g. disagg: stop the Ray workers
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:  # noqa: BLE001 - stopping anyway
-                logger.exception("engine shutdown failed")
+        try:
+            engine.shutdown()  # e.g. disagg: stop the Ray workers
+        except Exception:  # noqa: BLE001 - stopping anyway
+            logger.exception("engine shutdown failed")
         self._flush(status=(STOPPED, self.error) if not self._dead else None)
 
     def _serve_dead(self) -> None:
@@ -283,11 +287,9 @@ class EngineThread:
             added: list[str] = []
             try:
                 for r in requests:
-                    engine.add_request(r.prompt_token_ids, r.params, request_id=r.request_id, arrived_ns=arrived_ns)
+                    engine.add_request(r.prompt_token_ids, r.params, request_id=r.request_id, arrived_ns=arrived_ns,
+                                       tokenized_ns=tokenized_ns, prompt_text=r.prompt)  # the server tokenized it
                     added.append(r.request_id)
-                    tracked = engine.tracked(r.request_id)
-                    tracked.metrics.tokenized_ns = tokenized_ns  # the server tokenized it
-                    tracked.prompt = r.prompt
                     self._routes[r.request_id] = _Route(q, r.index)
             except Exception as e:  # noqa: BLE001 - all or none: undo, then report
                 for rid in added:
@@ -306,8 +308,7 @@ class EngineThread:
                     engine.mark_delivered(rid, sent_ns)
         elif kind == "stamp":
             _, m, n, sent_ns, delivered_id = cmd
-            n = min(n, len(m.token_sampled_ns) - len(m.token_sent_ns))
-            m.token_sent_ns.extend([sent_ns] * n)
+            PhaseRecorder.stamp_sent(m, sent_ns, n)
             if delivered_id is not None and engine is not None:
                 engine.mark_delivered(delivered_id, sent_ns)
         elif kind == "call":
@@ -371,10 +372,7 @@ class EngineThread:
     def _flush(self, status: tuple[str, str | None] | None = None) -> None:
         """Hand this round's acks, deltas and stats to the event loop in one callback."""
         engine = self.engine
-        stats = (0, 0, 0)
-        if engine is not None and not self._dead:
-            sched = engine.scheduler
-            stats = (sched.num_waiting, sched.num_running, len(sched.requests))
+        stats = engine.stats() if engine is not None and not self._dead else None
         acks, self._acks = self._acks, []
         deliveries, self._deliveries = self._deliveries, []
         num_adds, self._num_applied_adds = self._num_applied_adds, 0

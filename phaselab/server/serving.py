@@ -33,6 +33,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from phaselab.core.outputs import TokenLogprobs
+from phaselab.core.prompt import first_out_of_vocab, prompt_too_long
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.errors import InvalidRequestError
 from phaselab.server.engine_thread import Delta, EngineThread, NewRequest
@@ -167,21 +168,22 @@ def resolve_max_tokens(num_prompt: int, max_tokens: int | None, max_model_len: i
     """Check the context boundary (module docstring); None means the rest of the context."""
     if max_tokens is not None and max_tokens < 1:
         raise invalid(f"{max_tokens_param} must be at least 1", param=max_tokens_param)
-    if num_prompt >= max_model_len or (max_tokens is not None and num_prompt + max_tokens > max_model_len):
+    too_long = prompt_too_long(num_prompt, max_model_len) is not None  # the engine's own limit (core/prompt.py)
+    if too_long or (max_tokens is not None and num_prompt + max_tokens > max_model_len):
         asked = f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} to generate)" \
             if max_tokens is not None else f"a prompt of {num_prompt} tokens"
         raise invalid(
             f"this model's maximum context length is {max_model_len} tokens, but you requested {asked}; "
             f"the prompt plus {max_tokens_param} may be at most {max_model_len} tokens: shorten the prompt or lower "
             f"{max_tokens_param}",
-            param=max_tokens_param if max_tokens is not None and num_prompt < max_model_len else prompt_param,
+            param=max_tokens_param if max_tokens is not None and not too_long else prompt_param,
             code="context_length_exceeded",
         )
     return max_tokens if max_tokens is not None else max_model_len - num_prompt
 
 
 def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    bad = first_out_of_vocab(ids, vocab_size)  # the engine's own check (core/prompt.py), as an HTTP 400
     if bad is not None:
         raise invalid(f"token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
 

@@ -14,18 +14,24 @@ Wired into `phaselab` by cli.py: `add_simulate_parser(sub)` and `run_simulate(ns
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 import sys
 from typing import Any
 
+from phaselab.cliargs import add_fields, field_values
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, get_hardware, get_model, model_from_hf_config
+from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.spec.config import ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
+MODEL_FIELDS = ("gpu_memory_utilization", "max_model_len")  # Deployment fields among the model options
+ROLE_FIELDS = ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+               "max_num_partial_prefills", "num_blocks")
+DEPLOYMENT_FIELDS = ("block_size", "enable_prefix_caching", "tp_link", "transfer_link", "transfer_mode",
+                     "first_token_from", "routing_policy")
 
 
 def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -121,41 +127,27 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--params", default=None, help="cost parameters JSON (from `simulate calibrate`)")
     m.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
                    help="weights and KV (default: %(default)s)")
-    m.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    m.add_argument("--max-model-len", type=int, default=None)
+    add_fields(m, Deployment, MODEL_FIELDS)
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     _add_model_args(p)
-    d = p.add_argument_group("deployment")
-    d.add_argument("--mode", default="colocated", choices=["colocated", "disagg"])
-    d.add_argument("--replicas", type=int, default=1, help="colocated engines (default: %(default)s)")
-    d.add_argument("--tp", type=int, default=1, help="colocated: GPUs per engine (default: %(default)s)")
-    d.add_argument("--prefill-workers", type=int, default=1)
-    d.add_argument("--decode-workers", type=int, default=1)
-    d.add_argument("--tp-prefill", type=int, default=1)
-    d.add_argument("--tp-decode", type=int, default=1)
-    d.add_argument("--policy", default="chunked", choices=["chunked", "prefill-first"],
-                   help="colocated and prefill engines (default: %(default)s)")
-    d.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per iteration")
-    d.add_argument("--max-num-seqs", type=int, default=256)
-    d.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    d.add_argument("--num-blocks", type=int, default=None, help="KV blocks per engine (default: from memory)")
-    d.add_argument("--block-size", type=int, default=16)
-    d.add_argument("--no-prefix-caching", action="store_true")
-    d.add_argument("--tp-link", "--interconnect", dest="tp_link", default=None,
-                   help=f"{', '.join(LINKS)}, or a link JSON file (default: the hardware's)")
-    d.add_argument("--transfer-link", default=None, help="disagg KV transfer link, a name or a link JSON file "
-                                                         "(default: the TP link)")
-    d.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
-    d.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"],
-                   help="disagg: the prefill side streams the first token (phaselab's router), or the decode "
-                        "side once the KV arrived (default: %(default)s)")
-    d.add_argument("--routing-policy", default="least-outstanding", choices=["least-outstanding", "round-robin"])
+    # every flag generated from Deployment's and RoleConfig's fields (phaselab/cliargs.py)
+    d = p.add_argument_group("deployment", "the scheduler options apply to the colocated and prefill engines; "
+                                           "decode engines take --max-num-seqs and --num-blocks")
+    add_fields(d, Deployment, ["mode", "num_replicas"])
+    add_fields(d, RoleConfig, ["tp"], help_suffix=", colocated")
+    add_fields(d, Deployment, ["num_prefill", "num_decode"])
+    add_fields(d, RoleConfig, ["tp"], flag_suffix="-prefill", dest_suffix="_prefill", help_suffix=", disagg prefill")
+    add_fields(d, RoleConfig, ["tp"], flag_suffix="-decode", dest_suffix="_decode", help_suffix=", disagg decode")
+    add_fields(d, RoleConfig, ROLE_FIELDS)
+    add_fields(d, Deployment, DEPLOYMENT_FIELDS)
+    d.add_argument("--interconnect", dest="tp_link", default=argparse.SUPPRESS, metavar="TP_LINK",
+                   help="the same as --tp-link: a link name or a link JSON file (docs/simulator.md)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    w = p.add_argument_group("workload (phaselab bench's generators and seeds)")
+    w = p.add_argument_group("workload (the same generators and seeds as the bench's: phaselab/workload)")
     w.add_argument("--workload", default="random", choices=["random", "shared-prefix", "interference", "trace"])
     w.add_argument("--num-prompts", type=int, default=1000)
     w.add_argument("--input-len", default="512",
@@ -198,33 +190,28 @@ def resolve_model(name: str) -> ModelConfig:
 
 def build_deployment(ns: argparse.Namespace) -> Any:
     from phaselab.sim.cost import CostParams
-    from phaselab.sim.deployment import Deployment, RoleConfig
 
     params = CostParams.load(ns.params) if ns.params else None
-    common = dict(policy=ns.policy, max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
-                  long_prefill_token_threshold=ns.long_prefill_token_threshold, num_blocks=ns.num_blocks)
+    role = field_values(ns, RoleConfig, ROLE_FIELDS)
+    decode = {k: role[k] for k in ("max_num_seqs", "num_blocks")}
     return Deployment(
-        resolve_model(ns.model), get_hardware(ns.hardware), ns.mode, num_replicas=ns.replicas,
-        num_prefill=ns.prefill_workers, num_decode=ns.decode_workers,
-        colocated=RoleConfig(tp=ns.tp, **common), prefill=RoleConfig(tp=ns.tp_prefill, **common),
-        decode=RoleConfig(tp=ns.tp_decode, max_num_seqs=ns.max_num_seqs, num_blocks=ns.num_blocks),
-        dtype_bytes=DTYPE_BYTES[ns.dtype], block_size=ns.block_size, enable_prefix_caching=not ns.no_prefix_caching,
-        max_model_len=ns.max_model_len, gpu_memory_utilization=ns.gpu_memory_utilization, tp_link=ns.tp_link,
-        transfer_link=ns.transfer_link, transfer_mode=ns.transfer_mode, first_token_from=ns.first_token_from,
-        routing_policy=ns.routing_policy, params=params)
+        resolve_model(ns.model), get_hardware(ns.hardware), ns.mode, num_replicas=ns.num_replicas,
+        num_prefill=ns.num_prefill, num_decode=ns.num_decode,
+        colocated=RoleConfig(tp=ns.tp, **role), prefill=RoleConfig(tp=ns.tp_prefill, **role),
+        decode=RoleConfig(tp=ns.tp_decode, **decode), dtype_bytes=DTYPE_BYTES[ns.dtype], params=params,
+        **field_values(ns, Deployment, MODEL_FIELDS + DEPLOYMENT_FIELDS))
 
 
 def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, Any]]:
-    from phaselab.bench.workloads import InterferenceParams
-    from phaselab.sim.workload import (
-        ArrivalSpec, interference_requests, random_requests, shared_prefix_requests, trace_requests,
-    )
+    from phaselab.sim.workload import interference_requests, random_requests, shared_prefix_requests, trace_requests
+    from phaselab.workload.arrivals import ArrivalPlan
+    from phaselab.workload.interference import InterferenceParams
 
     self_timed = ns.workload in ("interference", "trace")
     if self_timed and (ns.concurrency is not None or not math.isinf(ns.request_rate)):
         raise ConfigError(f"the {ns.workload} workload carries its own arrival times; "
                           "drop --request-rate/--concurrency")
-    arrivals = ArrivalSpec(request_rate=ns.request_rate, burstiness=ns.burstiness, concurrency=ns.concurrency,
+    arrivals = ArrivalPlan(request_rate=ns.request_rate, burstiness=ns.burstiness, concurrency=ns.concurrency,
                            self_timed=self_timed)
     info: dict[str, Any] = {"kind": ns.workload, "seed": ns.seed}
     if ns.tokenizer:
@@ -240,7 +227,7 @@ def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, An
         params = InterferenceParams(ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts,
                                     ns.long_input_len, ns.long_output_len, ns.long_start, ns.long_interval)
         reqs = interference_requests(params)
-        info |= {"params": dataclasses.asdict(params)}
+        info |= {"params": params.to_json()}
     else:
         if not ns.trace:
             raise ConfigError("--workload trace needs --trace FILE")
@@ -252,23 +239,19 @@ def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, An
 def exact_workload(ns: argparse.Namespace, arrivals: Any) -> list[Any]:
     """The bench's own requests for these options and seed (its build_workload, its prompt builder),
     tokenized as its endpoint counts them, with its arrival times."""
-    import numpy as np
-
-    from phaselab.bench.arrivals import arrival_offsets
-    from phaselab.bench.cli import build_workload as bench_workload
-    from phaselab.bench.workloads import PromptBuilder, load_bench_tokenizer
     from phaselab.sim.workload import from_bench_specs
+    from phaselab.workload.arrivals import arrival_offsets, workload_seeds
+    from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer
 
     builder = PromptBuilder(load_bench_tokenizer(None if ns.tokenizer == "bundled" else ns.tokenizer), ns.endpoint)
-    seeds = np.random.SeedSequence(ns.seed).spawn(2)  # as phaselab bench: [0] workload, [1] arrivals
+    rng_workload, rng_arrivals = workload_seeds(ns.seed)  # as the bench splits them
     bench_ns = argparse.Namespace(**{**vars(ns), "num_warmups": 0})
-    specs, _ = bench_workload(bench_ns, builder, np.random.default_rng(seeds[0]))
+    specs, _ = build_specs(bench_ns, builder, rng_workload)
     ids = [builder.ids(spec.prompt) for spec in specs]
     if arrivals.self_timed:
         offsets = [(spec.arrival_s or 0.0) * ns.time_scale for spec in specs]
     elif arrivals.concurrency is None:
-        offsets = arrival_offsets(len(specs), arrivals.request_rate, arrivals.burstiness,
-                                  np.random.default_rng(np.random.SeedSequence(ns.seed).spawn(2)[1]))
+        offsets = arrival_offsets(len(specs), arrivals.request_rate, arrivals.burstiness, rng_arrivals)
     else:
         offsets = None
     return from_bench_specs(specs, ids, offsets)

@@ -5,8 +5,8 @@
                 num_decode x [decode engine, tp_d GPUs]
 
 Frozen, grouped by concern, no I/O. Each worker gets its own `core` Scheduler built from its
-RoleConfig exactly as the engine builds one from EngineArgs (same defaults: budget 2048 for
-`chunked`, max_model_len for `prefill-first`), and a KV cache sized from device memory the way a
+RoleConfig with SchedulerConfig.resolve, as the engine builds one from EngineArgs (the budget's
+default is decided there only), and a KV cache sized from device memory the way a
 GPU engine sizes it: utilization x memory - weights - an activation reserve, per GPU.
 """
 
@@ -15,15 +15,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.core.config import BUDGET_DEFAULT_TEXT, POLICIES, CacheConfig, SchedulerConfig
+from phaselab.core.routing import POLICIES as ROUTING
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import GiB, HardwareSpec, LinkSpec, get_link
+from phaselab.sim.catalog import LINKS, GiB, HardwareSpec, LinkSpec, get_link
 from phaselab.sim.cost import CostParams, default_params
 from phaselab.spec.config import ModelConfig
 
 MODES = ("colocated", "disagg")
 TRANSFER_MODES = ("after-prefill", "layer-by-layer")
 FIRST_TOKEN_FROM = ("prefill", "decode")
+ROUTING_POLICIES = tuple(ROUTING)  # core.routing's policy names
 
 
 @dataclass(frozen=True)
@@ -31,39 +33,48 @@ class RoleConfig:
     """One pool's engines: parallelism and scheduler options (EngineArgs' names)."""
 
     tp: int = field(default=1, metadata={"help": "tensor-parallel GPUs per engine"})
-    policy: str = field(default="chunked", metadata={"help": "chunked | prefill-first"})
+    policy: str = field(default="chunked", metadata={"choices": POLICIES, "help": "chunked | prefill-first"})
     max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": "token budget per iteration (default 2048 for chunked, max_model_len for prefill-first)"})
+        "help": f"token budget per iteration ({BUDGET_DEFAULT_TEXT})"})
     max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once per engine"})
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (default: from memory)"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "cap on one request's prefill chunk (0 = none)"})
+    max_num_partial_prefills: int = field(default=1, metadata={
+        "help": "most requests left mid-prefill after an iteration"})
+    num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (None: from memory)"})
 
 
 @dataclass(frozen=True)
 class Deployment:
     model: ModelConfig
     hardware: HardwareSpec
-    mode: str = "colocated"
-    num_replicas: int = 1  # colocated
-    num_prefill: int = 1  # disagg
-    num_decode: int = 1
+    mode: str = field(default="colocated", metadata={"choices": MODES, "help": "colocated replicas or disaggregated pools"})
+    num_replicas: int = field(default=1, metadata={"flag": "--replicas", "help": "colocated engines"})
+    num_prefill: int = field(default=1, metadata={"flag": "--prefill-workers", "help": "disagg: prefill engines"})
+    num_decode: int = field(default=1, metadata={"flag": "--decode-workers", "help": "disagg: decode engines"})
     colocated: RoleConfig = RoleConfig()
     prefill: RoleConfig = RoleConfig()
     decode: RoleConfig = RoleConfig()
     dtype_bytes: int = 2
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None  # default: the model's context, capped by every engine's cache
-    gpu_memory_utilization: float = 0.9
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "flag": "--prefix-caching", "help": "reuse cached KV blocks of identical prefixes"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "most tokens per request (None: the model's context, capped by every engine's cache)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of each GPU's memory used"})
     activation_reserve_bytes: int = 2 * GiB  # per GPU: activations, CUDA graphs, workspace
-    tp_link: str | None = None  # default: the hardware's
-    transfer_link: str | None = None  # disagg KV transfer; default: the hardware's tp_link (same node)
-    transfer_mode: str = "after-prefill"
+    tp_link: str | None = field(default=None, metadata={
+        "help": f"tensor-parallel link: {', '.join(LINKS)}, or a link JSON file (None: the hardware's)"})
+    transfer_link: str | None = field(default=None, metadata={
+        "help": "disagg KV transfer link, a name or a link JSON file (None: the TP link)"})
+    transfer_mode: str = field(default="after-prefill", metadata={"choices": TRANSFER_MODES, "help": "disagg KV transfer"})
     # who sends the first token: the prefill side as soon as it is sampled (phaselab's router), or
     # the decode side once the KV has arrived (a proxy that waits for the decode instance)
-    first_token_from: str = "prefill"
-    routing_policy: str = "least-outstanding"
+    first_token_from: str = field(default="prefill", metadata={
+        "choices": FIRST_TOKEN_FROM, "help": "disagg: the prefill side streams the first token (phaselab's router), "
+                                             "or the decode side once the KV arrived"})
+    routing_policy: str = field(default="least-outstanding", metadata={
+        "choices": ROUTING_POLICIES, "help": "disagg: worker choice per request"})
     params: CostParams | None = None  # default: the hardware's defaults
     delivery_s: float = 0.0  # token sampled -> sent
 
@@ -132,11 +143,10 @@ class Deployment:
 
     def scheduler_config(self, rc: RoleConfig) -> SchedulerConfig:
         max_model_len = self.resolved_max_model_len()
-        budget = rc.max_num_batched_tokens or (2048 if rc.policy == "chunked" else max_model_len)
-        return SchedulerConfig(policy=rc.policy, max_num_batched_tokens=budget, max_num_seqs=rc.max_num_seqs,
-                               max_model_len=max_model_len,
-                               long_prefill_token_threshold=rc.long_prefill_token_threshold,
-                               max_num_partial_prefills=rc.max_num_partial_prefills)
+        return SchedulerConfig.resolve(policy=rc.policy, max_num_batched_tokens=rc.max_num_batched_tokens,
+                                       max_num_seqs=rc.max_num_seqs, max_model_len=max_model_len,
+                                       long_prefill_token_threshold=rc.long_prefill_token_threshold,
+                                       max_num_partial_prefills=rc.max_num_partial_prefills)
 
     def cache_config(self, rc: RoleConfig) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks(rc), self.enable_prefix_caching)

@@ -3,7 +3,8 @@
 Shared by `benchmarks/sim_fidelity.py` (40 requests, three loads) and its CI test
 `tests/test_sim_self_fidelity.py` (fewer, shorter requests, two loads):
 
-    real_run       requests with arrival times into a real engine, offline, in real time; writes the run dir
+    real_run       requests with arrival times into a real engine, offline, in real time (phaselab.workload's
+                   run_arrivals, as compare); writes the run dir
     speed_probe    one fixed prefill alone, timed: the machine's speed just before (or after) a run
     simulate_like  the simulator's prediction of a real run (its scheduler config and KV blocks) under params
     compare        p50 / p99 TTFT and time between tokens, real vs simulated, with relative errors
@@ -32,39 +33,26 @@ from phaselab.sim.cost import CostParams
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import replay_inputs
 from phaselab.sim.report import summarize
-from phaselab.sim.workload import ArrivalSpec, SimRequest
+from phaselab.sim.workload import SimRequest
+from phaselab.workload.arrivals import ArrivalPlan
+from phaselab.workload.driver import Arrival, run_arrivals
 
 
 def real_run(engine: Any, reqs: list[SimRequest], text_ids: list[int], path: str, seed: int) -> float:
-    """Run `reqs` (SimRequests with arrival_s) on the real engine in real time; returns the makespan.
-
-    A request is added, with arrived_ns = its scheduled arrival, at the first iteration boundary
-    after its arrival time, as a server's engine thread would. Outputs ignore EOS, so each request
+    """Run `reqs` (SimRequests with arrival_s) on the real engine in real time (run_arrivals: each
+    added, stamped arrived at its scheduled time, at the first iteration boundary after it, as a
+    server's engine thread would); returns the makespan. Outputs ignore EOS, so each request
     generates exactly its drawn length. Prompts are distinct stretches of `text_ids` (no prefix-cache
     hits across requests). The engine's records are cleared first and written to `path` after."""
     engine.iterations.clear()
     engine.finished_requests.clear()
     rng = np.random.default_rng(1000 + seed)
-    prompts = []
+    arrivals = []
     for r in reqs:
         start = int(rng.integers(0, len(text_ids) - r.num_prompt_tokens))
-        prompts.append(text_ids[start:start + r.num_prompt_tokens])
-    order = sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s)
-    t0 = time.monotonic_ns()
-    k = 0
-    while k < len(order) or engine.has_unfinished_requests():
-        now = time.monotonic_ns()
-        while k < len(order) and t0 + round(reqs[order[k]].arrival_s * 1e9) <= now:
-            r = reqs[order[k]]
-            params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-            engine.add_request(prompts[order[k]], params, request_id=r.request_id,
-                               arrived_ns=t0 + round(r.arrival_s * 1e9))
-            k += 1
-        if engine.has_unfinished_requests():
-            engine.step()
-        elif k < len(order):
-            time.sleep(max(0.0, (t0 + reqs[order[k]].arrival_s * 1e9 - time.monotonic_ns()) / 1e9))
-    makespan = (time.monotonic_ns() - t0) / 1e9
+        arrivals.append(Arrival(r.request_id, text_ids[start:start + r.num_prompt_tokens], r.max_tokens,
+                                r.group, at_s=r.arrival_s))
+    makespan = run_arrivals(engine, arrivals).makespan_s
     engine.write_record(path)
     return makespan
 
@@ -94,7 +82,7 @@ def simulate_like(run_dir: str, reqs: list[SimRequest], params: CostParams, spee
         hw = dataclasses.replace(hw, peak_flops=hw.peak_flops / speed, mem_bandwidth=hw.mem_bandwidth / speed)
         params = scaled(params, speed)
     d = dataclasses.replace(d_replay, params=params, hardware=hw)
-    return summarize(simulate(d, reqs, ArrivalSpec(self_timed=True)).requests)
+    return summarize(simulate(d, reqs, ArrivalPlan(self_timed=True)).requests)
 
 
 def compare(real: dict, sim: dict) -> dict:

@@ -8,7 +8,7 @@
         STEP_END at now + duration
     STEP_END:
         deltas = scheduler.update(plan, result)         # the engine's update, unchanged
-        phase stamps (as LLMEngine._process), IterationRecord (as LLMEngine._record_iteration)
+        phase stamps and IterationRecord: the engine's own PhaseRecorder (core/recorder.py)
         disagg prefill: a parked request ─▶ KV flow on the network ─▶ decode worker's staged queue
         next STEP_START at once if work remains, else idle until something arrives
 
@@ -44,14 +44,17 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk
+from phaselab.core.prompt import prompt_too_long
+from phaselab.core.recorder import PhaseRecorder
+from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
 from phaselab.sim.cost import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
 from phaselab.sim.transfer import Flow, Network
-from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, ArrivalSpec, SimRequest
+from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, SimRequest
+from phaselab.workload.arrivals import ArrivalPlan
 
 NS = 1_000_000_000
 # The virtual clock starts here, not at 0, so no timestamp is ever falsy.
@@ -141,13 +144,13 @@ CostModelFactory = Callable[[str, str, RoleConfig], CostModel]
 
 
 class Simulator:
-    def __init__(self, deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalSpec | None = None,
+    def __init__(self, deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalPlan | None = None,
                  cost_model_factory: CostModelFactory | None = None, record_iterations: bool = True,
                  workload_info: dict[str, Any] | None = None, check_invariants: bool = False) -> None:
         self.d = deployment
         self.check_invariants = check_invariants  # tests: the scheduler's invariants after every step
         self.specs = list(requests)
-        self.arrivals = arrivals or ArrivalSpec(self_timed=True)
+        self.arrivals = arrivals or ArrivalPlan(self_timed=True)
         self.record_iterations = record_iterations
         self.workload_info = workload_info or {}
         self.events = EventQueue(EPOCH_NS)
@@ -174,8 +177,9 @@ class Simulator:
         self.policy = {role: make_routing_policy(deployment.routing_policy) for role in self.workers}
         self.kv_per_token = deployment.model.kv_bytes_per_token(deployment.dtype_bytes)
         self.tracks: dict[str, _Track] = {}
-        self.finished: list[RequestMetrics] = []
-        self.iterations: list[IterationRecord] = []
+        # one recorder for every simulated worker (each record names its worker): the same stamps
+        # as the engine's; every record is kept (the result is a run directory)
+        self.recorder = PhaseRecorder("sim", "colocated", keep=True)
         self._params_cache: dict[int, SamplingParams] = {}
         self._next_closed = 0
         self.delivery_ns = round(deployment.delivery_s * NS)
@@ -203,8 +207,9 @@ class Simulator:
                 gc.enable()
         wall = time.perf_counter() - t0
         assert not self.tracks, f"{len(self.tracks)} requests never finished (e.g. {next(iter(self.tracks))})"
-        end = max([m.finished_ns or 0 for m in self.finished] + [EPOCH_NS])
-        return SimResult(self.finished, self.iterations, self._config(), self._process_names(), wall,
+        finished = self.recorder.requests
+        end = max([m.finished_ns or 0 for m in finished] + [EPOCH_NS])
+        return SimResult(finished, self.recorder.iterations, self._config(), self._process_names(), wall,
                          self.events.num_events, (end - EPOCH_NS) / NS, self._worker_stats(end))
 
     def _release_next_closed(self, now: int) -> None:
@@ -232,23 +237,21 @@ class Simulator:
     def _arrive(self, spec: SimRequest) -> None:
         now = self.events.now
         rid = spec.request_id
-        m = RequestMetrics(arrived_ns=now, tokenized_ns=now, queued_ns=now, request_id=rid,
-                           num_prompt_tokens=spec.num_prompt_tokens)
         disagg = self.d.mode == "disagg"
         role = "prefill" if disagg else "colocated"
-        if spec.num_prompt_tokens >= self.max_model_len:
-            # the engine's validate_prompt: refused before it is queued
-            m.finish_reason, m.finished_ns = "error", now
-            m.error = (f"the prompt has {spec.num_prompt_tokens} tokens, but max_model_len is {self.max_model_len}")
-            self.finished.append(m)
+        why = prompt_too_long(spec.num_prompt_tokens, self.max_model_len)
+        if why is not None:  # the engine's validate_prompt: refused before it is queued
+            self.recorder.open(rid, spec.num_prompt_tokens, arrived_ns=now, tokenized_ns=now, queued_ns=now, worker="")
+            self.recorder.finish(rid, "error", 0, now, error=why)
             self._on_request_done(now)
             return
         worker = self._pick(role, spec.num_prompt_tokens)
         self._load(role, worker).add(spec.num_prompt_tokens)
-        m.worker = worker.name
         request = Request(rid, spec.token_ids(), self._params(spec.max_tokens), arrival_time=now / NS,
                           eos_token_ids=EOS_IDS, max_model_len=self.max_model_len, prefill_only=disagg)
         assert rid not in self.tracks, f"request id {rid!r} is used twice"
+        m = self.recorder.open(rid, spec.num_prompt_tokens, arrived_ns=now, tokenized_ns=now, queued_ns=now,
+                               request=request, worker=worker.name)
         self.tracks[rid] = _Track(spec, m, request, worker)
         worker.inbox.append(request)
         self._kick(worker)
@@ -284,7 +287,7 @@ class Simulator:
             w.staged.popleft()
             t = self.tracks[request.request_id]
             t.request = request
-            t.metrics.decode_admitted_ns = now
+            self.recorder.admit(t.metrics, request, now)
             if not t.first_sent:
                 self._send_first(t, now + self.delivery_ns)
         if not sched.has_schedulable_requests():
@@ -314,38 +317,17 @@ class Simulator:
             self.network.set_cap(flow, None)
         w.open_flows.clear()
         tracks = self.tracks
-        iteration_id = plan.iteration_id
-        # -- phase stamps, as LLMEngine._process --
+        firsts = self.recorder.stamp_step(plan, deltas, start, end)
         for rid in plan.preempted_request_ids:
             t = tracks.get(rid)
             if t is not None:
-                t.metrics.stamp_preempted(start)
                 t.kv_tokens_sent = 0
-        chunks: list[ScheduledChunk] = []
-        num_prefill = num_decode = 0
-        record = self.record_iterations
-        for s in plan.scheduled:
-            n = len(s.token_ids)
-            if s.is_prefill:
-                num_prefill += n
-            else:
-                num_decode += n
-            if record:
-                chunks.append(ScheduledChunk(s.request_id, n, s.is_prefill, s.start_position + n))
-            t = tracks.get(s.request_id)
-            if t is None:
-                continue
-            t.metrics.stamp_scheduled(iteration_id, start, end, n, s.is_prefill, t.request.num_cached_tokens)
         sent = end + self.delivery_ns
         for d in deltas:
             t = tracks.get(d.request_id)
             if t is None:
                 continue
-            m = t.metrics
-            m.token_sampled_ns.append(end)
-            m.token_iteration_ids.append(iteration_id)
-            if m.first_token_sampled_ns is None:
-                m.first_token_sampled_ns = end
+            if firsts and d.request_id in firsts:
                 if w.role != "prefill" or d.finish_reason is not None or self.d.first_token_from == "prefill":
                     self._send_first(t, sent)
                 if w.role == "prefill":
@@ -354,38 +336,32 @@ class Simulator:
                     if d.finish_reason is None:
                         self._prefill_parked(t, w)
             else:
-                m.token_sent_ns.append(sent)
+                self.recorder.stamp_sent(t.metrics, sent)
             if d.finish_reason is not None:
                 self._finish(t, d.finish_reason, sent)
-        if record:
-            self.iterations.append(IterationRecord(
-                iteration_id=iteration_id, worker=w.name, role=w.role, start_ns=start, end_ns=end,
-                prepare_ns=result.prepare_ns, forward_ns=result.forward_ns, sample_ns=result.sample_ns,
-                num_prefill_tokens=num_prefill, num_decode_tokens=num_decode, chunks=chunks,
-                num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
-                num_running=sched.num_running, num_waiting=sched.num_waiting,
-                preempted_request_ids=list(plan.preempted_request_ids), modeled=cost.modeled))
+        if self.record_iterations:
+            self.recorder.iteration(
+                plan, start_ns=start, end_ns=end, prepare_ns=result.prepare_ns, forward_ns=result.forward_ns,
+                sample_ns=result.sample_ns, num_running=sched.num_running, num_waiting=sched.num_waiting,
+                modeled=cost.modeled, worker=w.name, role=w.role)
         if w.has_work:
             self._kick(w)
 
     def _send_first(self, t: _Track, sent: int) -> None:
         t.first_sent = True
-        t.metrics.token_sent_ns.append(sent)
+        self.recorder.stamp_sent(t.metrics, sent)
 
     # -- finishing ------------------------------------------------------------------------------------------
     def _finish(self, t: _Track, reason: str, now: int) -> None:
         m = t.metrics
         rid = m.request_id
-        m.finish_reason = reason
-        m.num_output_tokens = len(m.token_sampled_ns)
-        m.finished_ns = max(now, m.token_sent_ns[-1] if m.token_sent_ns else now)
+        self.recorder.finish(rid, reason, len(m.token_sampled_ns), now, metrics=m)
         if t.decode_worker is not None:
             self._load("decode", t.decode_worker).remove(t.spec.num_prompt_tokens + 1)
         elif self.d.mode == "colocated":
             self._load("colocated", t.worker).remove(t.spec.num_prompt_tokens)
         if t.flows_pending == 0:
             del self.tracks[rid]
-        self.finished.append(m)
         self._on_request_done(now)
 
     def _fail(self, t: _Track, message: str, now: int) -> None:
@@ -520,7 +496,7 @@ def _describe_cost_model(cm: Any) -> dict[str, Any]:
     return describe() if callable(describe) else {"kind": type(cm).__name__}
 
 
-def simulate(deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalSpec | None = None,
+def simulate(deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalPlan | None = None,
              **options: Any) -> SimResult:
     return Simulator(deployment, requests, arrivals, **options).run()
 

@@ -36,7 +36,8 @@ from phaselab.sim.catalog import get_hardware
 from phaselab.sim.cost import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import SimResult, Simulator
-from phaselab.sim.workload import ArrivalSpec, SimRequest
+from phaselab.sim.workload import SimRequest
+from phaselab.workload.arrivals import ArrivalPlan
 
 Plan = list[tuple[str, int, bool]]  # (request, tokens, is_prefill) per scheduled request
 
@@ -159,7 +160,7 @@ def replay(path: str | PathLike[str], record_iterations: bool = True) -> ReplayR
     deployment, requests, cycles, notes = replay_inputs(data)
     counter = RooflineCostModel(deployment.model, deployment.hardware, tp=1, dtype_bytes=deployment.dtype_bytes)
     replayer = ReplayCostModel(cycles, counter)
-    sim = Simulator(deployment, requests, ArrivalSpec(self_timed=True), cost_model_factory=lambda *_: replayer,
+    sim = Simulator(deployment, requests, ArrivalPlan(self_timed=True), cost_model_factory=lambda *_: replayer,
                     record_iterations=record_iterations, workload_info={"kind": "replay", "run": str(path)})
     result = sim.run()
     real = plans_of(sorted(data.iterations, key=lambda r: r.start_ns))

@@ -34,8 +34,9 @@ from phaselab.sim.cost import CostParams
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.report import percentile, slo_attainment
-from phaselab.sim.workload import ArrivalSpec, SimRequest, random_requests
+from phaselab.sim.workload import SimRequest, random_requests
 from phaselab.spec.config import ModelConfig
+from phaselab.workload.arrivals import ArrivalPlan
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ CostModelFactory = Callable[[str, str, RoleConfig], Any]  # (worker name, role, 
 def random_workload_at(num_prompts: int, input_len: str, output_len: str, seed: int = 0,
                        burstiness: float = 1.0) -> WorkloadAt:
     return lambda rate: random_requests(num_prompts, input_len, output_len, seed,
-                                        ArrivalSpec(request_rate=rate, burstiness=burstiness))
+                                        ArrivalPlan(request_rate=rate, burstiness=burstiness))
 
 
 def max_rate(deployment: Deployment, workload_at: WorkloadAt, slo: SLO, start_rate: float = 1.0,
@@ -181,7 +182,7 @@ def max_rate(deployment: Deployment, workload_at: WorkloadAt, slo: SLO, start_ra
 
     def passes(rate: float) -> tuple[bool, float]:
         cand.num_simulations += 1
-        result = simulate(deployment, workload_at(rate), ArrivalSpec(self_timed=True), record_iterations=False,
+        result = simulate(deployment, workload_at(rate), ArrivalPlan(self_timed=True), record_iterations=False,
                           cost_model_factory=cost_model)
         return slo.check(result.requests)
 

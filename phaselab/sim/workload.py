@@ -1,6 +1,6 @@
 """The requests of a simulated run: token counts, output lengths and arrival times.
 
-The same generators and seeds as `phaselab bench` (phaselab/bench/workloads.py, arrivals.py):
+The same generators and seeds as the bench (`bench` subcommand; phaselab/workload: lengths, arrivals, trace):
 
     SeedSequence(seed).spawn(2) ─▶ [0] lengths (LengthDist draws, in the bench's order)
                                    [1] open-loop arrival gaps (gamma_intervals: Poisson at burstiness 1)
@@ -17,15 +17,16 @@ JSONL keys. With `exact_prompts` (a tokenizer), the bench's own specs are tokeni
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from phaselab.bench.arrivals import arrival_offsets
-from phaselab.bench.workloads import InterferenceParams, LengthDist, WorkloadError, read_trace_rows
+from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, workload_seeds
+from phaselab.workload.interference import InterferenceParams
+from phaselab.workload.lengths import LengthDist, WorkloadError
+from phaselab.workload.trace import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
 
 PREFIX_TOKEN_BASE = 1 << 40  # first token of a shared-prefix group's prompts
 UNIQUE_TOKEN_BASE = 1 << 41  # first token of a request's own part
@@ -63,34 +64,7 @@ class SimRequest:
         return [UNIQUE_TOKEN_BASE + self.index] + [0] * (n - 1)
 
 
-@dataclass(frozen=True)
-class ArrivalSpec:
-    """Open loop (`request_rate`, `burstiness`: the bench's gamma renewal process), all at once
-    (rate inf), the workload's own times (`self_timed`), or closed loop (`concurrency` users, each
-    sending its next request when its last one finished)."""
-
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    concurrency: int | None = None
-    self_timed: bool = False
-
-    def describe(self) -> str:
-        if self.concurrency is not None:
-            return f"closed loop, concurrency {self.concurrency}"
-        if self.self_timed:
-            return "the workload's own arrival times"
-        if math.isinf(self.request_rate):
-            return "open loop, all requests at once"
-        dist = "Poisson" if self.burstiness == 1.0 else f"gamma (burstiness {self.burstiness:g})"
-        return f"open loop, {self.request_rate:g} req/s, {dist}"
-
-
-def _seeds(seed: int) -> tuple[np.random.Generator, np.random.Generator]:
-    s = np.random.SeedSequence(seed).spawn(2)  # as phaselab bench: [0] workload, [1] arrivals
-    return np.random.default_rng(s[0]), np.random.default_rng(s[1])
-
-
-def _apply_arrivals(requests: list[SimRequest], arrivals: ArrivalSpec, rng: np.random.Generator) -> list[SimRequest]:
+def _apply_arrivals(requests: list[SimRequest], arrivals: ArrivalPlan, rng: np.random.Generator) -> list[SimRequest]:
     if arrivals.self_timed or arrivals.concurrency is not None:
         return requests
     for r, t in zip(requests, arrival_offsets(len(requests), arrivals.request_rate, arrivals.burstiness, rng)):
@@ -99,11 +73,11 @@ def _apply_arrivals(requests: list[SimRequest], arrivals: ArrivalSpec, rng: np.r
 
 
 def random_requests(num_prompts: int, input_len: str | int = "256", output_len: str | int = "128", seed: int = 0,
-                    arrivals: ArrivalSpec = ArrivalSpec()) -> list[SimRequest]:
+                    arrivals: ArrivalPlan = ArrivalPlan()) -> list[SimRequest]:
     """The bench's `random` workload: lengths from LengthDist specs ("256", "uniform:128:512", ...).
     Each request generates exactly its drawn output length (the bench sends it as max_tokens; a
     simulated model never samples EOS unless `output_len` says so)."""
-    rng_w, rng_a = _seeds(seed)
+    rng_w, rng_a = workload_seeds(seed)
     ins = LengthDist.parse(input_len).sample(rng_w, num_prompts)
     outs = LengthDist.parse(output_len).sample(rng_w, num_prompts)
     reqs = [SimRequest(f"req-{i}", n_in, n_out, index=i)
@@ -112,10 +86,10 @@ def random_requests(num_prompts: int, input_len: str | int = "256", output_len: 
 
 
 def shared_prefix_requests(num_prompts: int, num_groups: int = 4, prefix_len: int = 512, suffix_len: str = "64",
-                           output_len: str = "64", seed: int = 0, arrivals: ArrivalSpec = ArrivalSpec()
+                           output_len: str = "64", seed: int = 0, arrivals: ArrivalPlan = ArrivalPlan()
                            ) -> list[SimRequest]:
     """Request i belongs to group i % num_groups; prompt = the group's prefix_len tokens + a suffix."""
-    rng_w, rng_a = _seeds(seed)
+    rng_w, rng_a = workload_seeds(seed)
     suffixes = LengthDist.parse(suffix_len).sample(rng_w, num_prompts)
     outs = LengthDist.parse(output_len).sample(rng_w, num_prompts)
     reqs = [SimRequest(f"req-{i}", prefix_len + n_suf, n_out, group=f"group-{i % num_groups}",
@@ -128,13 +102,9 @@ def interference_requests(p: InterferenceParams = InterferenceParams()) -> list[
     """The bench's `interference` workload: streams at t=0, long prompts at start + k x interval."""
     reqs = [SimRequest(f"req-stream-{i}", p.stream_input_len, p.stream_output_len, 0.0, group="stream", index=i)
             for i in range(p.num_streams)]
-    reqs += [SimRequest(f"req-long-{k}", p.long_input_len, p.long_output_len, p.long_start_s + k * p.long_interval_s,
+    reqs += [SimRequest(f"req-long-{k}", p.long_input_len, p.long_output_len, p.long_arrival_s(k),
                         group="long", index=p.num_streams + k) for k in range(p.num_long_prompts)]
     return reqs
-
-
-_INPUT = ("input_tokens", "input_length", "prompt_tokens")
-_OUTPUT = ("output_tokens", "output_length", "max_tokens")
 
 
 def trace_requests(path: str, num_prompts: int | None = None, time_scale: float = 1.0) -> list[SimRequest]:
@@ -142,17 +112,13 @@ def trace_requests(path: str, num_prompts: int | None = None, time_scale: float 
     needs token counts, not prompt text."""
     rows = read_trace_rows(path, num_prompts)
     for lineno, (_, row) in enumerate(rows, start=1):
-        if _first(row, _INPUT) is None or _first(row, _OUTPUT) is None:
+        if first_of(row, TRACE_INPUT_TOKENS) is None or first_of(row, TRACE_OUTPUT_TOKENS) is None:
             raise WorkloadError(f"{path}: request {lineno}: the simulator needs an input token count "
-                                f"({'/'.join(_INPUT)}) and an output token count ({'/'.join(_OUTPUT)})")
+                                f"({'/'.join(TRACE_INPUT_TOKENS)}) and an output token count ({'/'.join(TRACE_OUTPUT_TOKENS)})")
     t0 = min(t for t, _ in rows)
-    return [SimRequest(str(row.get("request_id") or f"req-{i}"), int(_first(row, _INPUT)), int(_first(row, _OUTPUT)),
+    return [SimRequest(str(row.get("request_id") or f"req-{i}"), int(first_of(row, TRACE_INPUT_TOKENS)), int(first_of(row, TRACE_OUTPUT_TOKENS)),
                        (t - t0) * time_scale, group=str(row.get("group", "default")), index=i)
             for i, (t, row) in enumerate(rows)]
-
-
-def _first(row: dict[str, Any], keys: Sequence[str]) -> Any:
-    return next((row[k] for k in keys if row.get(k) is not None), None)
 
 
 def from_bench_specs(specs: Sequence[Any], token_ids: Sequence[list[int]], offsets: Sequence[float] | None = None

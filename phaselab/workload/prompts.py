@@ -1,4 +1,6 @@
-"""Workloads: the requests of a run, built before it starts (docs/bench.md lists every parameter).
+"""Text workloads: the requests `phaselab bench` sends, built before the run starts (docs/bench.md
+lists every parameter). Lengths, arrivals, the interference timing and the trace reader are this
+package's other modules; this one turns them into prompt text of exact token lengths.
 
     random          input/output lengths drawn from LengthDists; open or closed loop
     shared-prefix   groups of requests whose prompts share a long prefix (prefix caching)
@@ -20,8 +22,6 @@ come from `phaselab.spec` (the torch-free model description).
 from __future__ import annotations
 
 import functools
-import json
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -29,13 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from phaselab.bench.client import RequestSpec
 from phaselab.spec.bundled import default_model_path
 from phaselab.spec.tokenizer import Tokenizer, load_tokenizer
-
-
-class WorkloadError(ValueError):
-    """A workload cannot be built as asked (bad length spec, prompt shorter than the template, ...)."""
+from phaselab.workload.interference import InterferenceParams
+from phaselab.workload.lengths import LengthDist, WorkloadError
+from phaselab.workload.request import RequestSpec
+from phaselab.workload.trace import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
 
 
 # -- the tokenizer, torch-free -------------------------------------------------------------------------
@@ -52,73 +51,6 @@ def _load_tokenizer_cached(path: str) -> Tokenizer:
     return load_tokenizer(path)
 
 
-# -- length distributions --------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LengthDist:
-    """A token-length distribution, parsed from a short spec (every draw is >= 1):
-
-        "256"                  always 256
-        "uniform:128:512"      integers uniform in [128, 512]   (vLLM --random-range-ratio r on L:
-                                                                 uniform:L*(1-r):L*(1+r))
-        "normal:256:64"        mean 256, std 64, rounded
-        "lognormal:256:0.5"    median 256, sigma 0.5 of the log (long tail, like chat traffic)
-        "choice:128,256,1024"  one of the listed lengths, equally likely
-    """
-
-    kind: str
-    params: tuple[float, ...]
-
-    @classmethod
-    def parse(cls, spec: str | int) -> LengthDist:
-        text = str(spec).strip()
-        if re.fullmatch(r"\d+", text):
-            return cls("fixed", (float(text),))
-        kind, _, rest = text.partition(":")
-        try:
-            if kind == "choice":
-                values = tuple(float(v) for v in rest.split(","))
-                if not values:
-                    raise ValueError
-                return cls(kind, values)
-            params = tuple(float(v) for v in rest.split(":"))
-        except ValueError:
-            params = ()
-        arity = {"uniform": 2, "normal": 2, "lognormal": 2}
-        if kind not in arity or len(params) != arity[kind]:
-            raise WorkloadError(
-                f"length spec {spec!r}: use N, uniform:LO:HI, normal:MEAN:STD, lognormal:MEDIAN:SIGMA "
-                "or choice:A,B,C"
-            )
-        if kind == "uniform" and params[0] > params[1]:
-            raise WorkloadError(f"length spec {spec!r}: LO must be <= HI")
-        return cls(kind, params)
-
-    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
-        p = self.params
-        if self.kind == "fixed":
-            draws = np.full(n, p[0])
-        elif self.kind == "uniform":
-            draws = rng.integers(int(p[0]), int(p[1]), size=n, endpoint=True)
-        elif self.kind == "normal":
-            draws = np.rint(rng.normal(p[0], p[1], size=n))
-        elif self.kind == "lognormal":
-            draws = np.rint(rng.lognormal(math.log(p[0]), p[1], size=n))
-        else:
-            draws = rng.choice(np.asarray(p), size=n)
-        return [max(1, int(v)) for v in draws]
-
-    def mean(self) -> float:
-        p = self.params
-        return {
-            "fixed": lambda: p[0], "uniform": lambda: (p[0] + p[1]) / 2, "normal": lambda: p[0],
-            "lognormal": lambda: p[0] * math.exp(p[1] ** 2 / 2), "choice": lambda: sum(p) / len(p),
-        }[self.kind]()
-
-    def __str__(self) -> str:
-        if self.kind == "fixed":
-            return str(int(self.params[0]))
-        sep = "," if self.kind == "choice" else ":"
-        return self.kind + ":" + sep.join(f"{v:g}" for v in self.params)
 
 
 # -- prompts of an exact token length ------------------------------------------------------------------------
@@ -214,18 +146,6 @@ class SharedPrefixParams:
     output_len: str = "64"
 
 
-@dataclass(frozen=True)
-class InterferenceParams:
-    num_streams: int = 4  # long-lived streams, all started at t=0
-    stream_input_len: int = 64
-    stream_output_len: int = 256
-    num_long_prompts: int = 3
-    long_input_len: int = 1024
-    long_output_len: int = 8
-    long_start_s: float = 2.0  # first long prompt, once the streams are decoding
-    long_interval_s: float = 2.0  # between long prompts
-
-
 def random_workload(p: RandomParams, builder: PromptBuilder, rng: np.random.Generator,
                     id_prefix: str = "req") -> list[RequestSpec]:
     ins = LengthDist.parse(p.input_len).sample(rng, p.num_prompts)
@@ -264,7 +184,8 @@ def shared_prefix_workload(p: SharedPrefixParams, builder: PromptBuilder, rng: n
 
 def interference_workload(p: InterferenceParams, builder: PromptBuilder, rng: np.random.Generator,
                           id_prefix: str = "req") -> list[RequestSpec]:
-    """Streams ("stream") at t=0; long prompts ("long") at long_start_s + k * long_interval_s.
+    """Streams ("stream") at t=0; long prompts ("long") at long_start_s + k * long_interval_s
+    (seconds: a client sends at times, not at the streams' token counts).
     The streams should still be decoding when the last long prompt arrives: with ignore_eos, give
     them stream_output_len > (last arrival + its prefill) / the server's decode step time."""
     specs = [
@@ -275,42 +196,10 @@ def interference_workload(p: InterferenceParams, builder: PromptBuilder, rng: np
     specs += [
         RequestSpec(f"{id_prefix}-long-{k}", builder.build(rng, p.long_input_len), p.long_output_len,
                     num_prompt_tokens=p.long_input_len, group="long",
-                    arrival_s=p.long_start_s + k * p.long_interval_s)
+                    arrival_s=p.long_arrival_s(k))
         for k in range(p.num_long_prompts)
     ]
     return specs
-
-
-# Trace keys, first match wins. Arrival: seconds, or milliseconds (Mooncake's "timestamp").
-_TRACE_ARRIVAL_S = ("arrival_s", "timestamp_s")
-_TRACE_ARRIVAL_MS = ("timestamp_ms", "timestamp")
-_TRACE_INPUT_TOKENS = ("input_tokens", "input_length", "prompt_tokens")
-_TRACE_OUTPUT_TOKENS = ("output_tokens", "output_length", "max_tokens")
-
-
-def read_trace_rows(path: str, num_prompts: int | None = None) -> list[tuple[float, dict[str, Any]]]:
-    """(arrival in seconds, row) of every request line of a trace JSONL, in file order: the one
-    reader of the trace format, shared with the simulator. Raises WorkloadError naming the line."""
-    rows: list[tuple[float, dict[str, Any]]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise WorkloadError(f"{path}:{lineno}: not JSON ({e.msg})") from e
-            arrival = _first(row, _TRACE_ARRIVAL_S)
-            if arrival is None and (ms := _first(row, _TRACE_ARRIVAL_MS)) is not None:
-                arrival = ms / 1000.0
-            if arrival is None:
-                raise WorkloadError(f"{path}:{lineno}: no arrival time (one of {_TRACE_ARRIVAL_S + _TRACE_ARRIVAL_MS})")
-            rows.append((float(arrival), row))
-            if num_prompts is not None and len(rows) >= num_prompts:
-                break
-    if not rows:
-        raise WorkloadError(f"{path} holds no requests")
-    return rows
 
 
 def trace_workload(path: str, builder: PromptBuilder | None, rng: np.random.Generator,
@@ -326,14 +215,14 @@ def trace_workload(path: str, builder: PromptBuilder | None, rng: np.random.Gene
     t0 = min(a for a, _ in rows)
     specs = []
     for i, (arrival, row) in enumerate(rows):
-        n_out = _first(row, _TRACE_OUTPUT_TOKENS)
+        n_out = first_of(row, TRACE_OUTPUT_TOKENS)
         if n_out is None:
-            raise WorkloadError(f"{path}: request {i} has no output length (one of {_TRACE_OUTPUT_TOKENS})")
+            raise WorkloadError(f"{path}: request {i} has no output length (one of {TRACE_OUTPUT_TOKENS})")
         if isinstance(row.get("prompt"), str):
             text = row["prompt"]
             n_in = builder.count(text) if builder is not None else None
         else:
-            n_in = _first(row, _TRACE_INPUT_TOKENS)
+            n_in = first_of(row, TRACE_INPUT_TOKENS)
             if n_in is None:
                 raise WorkloadError(f"{path}: request {i} has neither 'prompt' nor an input length")
             if builder is None:
@@ -347,10 +236,33 @@ def trace_workload(path: str, builder: PromptBuilder | None, rng: np.random.Gene
     return specs
 
 
-def _first(row: dict[str, Any], keys: tuple[str, ...]) -> Any:
-    for k in keys:
-        if row.get(k) is not None:
-            return row[k]
-    return None
-
-
+def build_specs(ns: Any, builder: PromptBuilder | None,
+                   rng: np.random.Generator) -> tuple[list[RequestSpec], list[RequestSpec]]:
+    """(measured specs, warm-up specs) of `phaselab bench`'s options `ns` (its argparse namespace; the
+    simulator's --tokenizer mode builds the same). Warm-ups come from the same workload, with their own ids."""
+    n_warm = ns.num_warmups
+    if ns.workload == "trace":
+        if not ns.trace:
+            raise WorkloadError("--workload trace needs --trace FILE")
+        specs = trace_workload(ns.trace, builder, rng, num_prompts=ns.num_prompts)
+        warm = [RequestSpec(f"warmup-{i}", s.prompt, s.max_tokens, s.num_prompt_tokens, warmup=True)
+                for i, s in enumerate(specs[:n_warm])]
+        return specs, warm
+    assert builder is not None
+    if ns.workload == "random":
+        specs = random_workload(RandomParams(ns.num_prompts, ns.input_len, ns.output_len), builder, rng)
+        warm = random_workload(RandomParams(n_warm, ns.input_len, ns.output_len), builder, rng, "warmup")
+    elif ns.workload == "shared-prefix":
+        params = SharedPrefixParams(ns.num_prompts, ns.num_prefix_groups, ns.prefix_len, ns.suffix_len, ns.output_len)
+        specs = shared_prefix_workload(params, builder, rng)
+        # warm-ups of the same length but their own text: they must not warm the groups' prefixes
+        warm = random_workload(RandomParams(n_warm, str(ns.prefix_len), ns.output_len), builder, rng, "warmup")
+    else:
+        params = InterferenceParams(
+            ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts, ns.long_input_len,
+            ns.long_output_len, ns.long_start, ns.long_interval)
+        specs = interference_workload(params, builder, rng)
+        warm = random_workload(RandomParams(n_warm, str(ns.stream_input_len), "8"), builder, rng, "warmup")
+    for s in warm:
+        s.warmup = True
+    return specs, warm
