@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from phaselab.obs.rundir import read_run_dir  # noqa: E402
 from phaselab.sim.calibrate import calibrate  # noqa: E402
-from phaselab.sim.fidelity import (by_kind, compare, real_run, scaled, simulate_like, speed_probe,  # noqa: E402
+from phaselab.sim.fidelity import (by_kind, compare, real_run, simulate_like, speed_probe,  # noqa: E402
                                    speed_ratio)
 from phaselab.sim.report import summarize  # noqa: E402
 from phaselab.sim.workload import random_requests  # noqa: E402
@@ -182,7 +182,7 @@ def main() -> None:
         real = summarize(read_run_dir(run_dir).requests)
         ratio = speed_ratio(run_dir, fit.params)
         raw = compare(real, simulate_like(run_dir, reqs, fit.params))
-        corrected = compare(real, simulate_like(run_dir, reqs, scaled(fit.params, ratio)))
+        corrected = compare(real, simulate_like(run_dir, reqs, fit.params, speed=ratio))
         kinds = by_kind(run_dir, fit.params)
         report["runs"][name].update(comparison=raw, machine_speed_ratio=ratio, comparison_drift_corrected=corrected,
                                     iterations_by_kind=kinds, in_sample=name == args.calibrate_on)

@@ -153,7 +153,7 @@ def test_router_and_simulator_make_the_same_disaggregated_record(tiny_model, tmp
     from phaselab.serving_engine import make_engine
     from phaselab.sim.loop import Simulator
     from phaselab.sim.replay import replay_inputs
-    from phaselab.sim.workload import ArrivalSpec
+    from phaselab.workload.arrivals import ArrivalPlan
 
     colocated = make_engine(EngineArgs(model=tiny_model, dtype="float32", kv_cache_memory="2MiB",
                                        enable_prefix_caching=False))
@@ -168,7 +168,7 @@ def test_router_and_simulator_make_the_same_disaggregated_record(tiny_model, tmp
     deployment, requests, _, _ = replay_inputs(read_run_dir(str(tmp_path / "colocated")))
     rc = deployment.colocated
     disagg = dataclasses.replace(deployment, mode="disagg", prefill=rc, decode=rc)
-    sim = sorted(Simulator(disagg, requests, ArrivalSpec(self_timed=True)).run().requests,
+    sim = sorted(Simulator(disagg, requests, ArrivalPlan(self_timed=True)).run().requests,
                  key=lambda m: m.request_id)
     assert [m.request_id for m in real] == [m.request_id for m in sim]
     for a, b in zip(real, sim):

@@ -96,3 +96,83 @@ def test_unknown_names_list_the_catalog():
         get_hardware("h10")
     with pytest.raises(ConfigError, match="llama-3-8b"):
         get_model("no-such-model")
+
+
+# -- devices, links and models from files (issue 15, item 3) ---------------------------------------------------
+def _write(path, obj):
+    import json
+
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+def test_hardware_and_link_from_files_work_where_names_do(tmp_path):
+    from phaselab.sim.cost import RooflineCostModel, default_params
+    from phaselab.sim.deployment import Deployment, RoleConfig
+    from phaselab.sim.loop import simulate
+    from phaselab.sim.workload import random_requests
+
+    link = _write(tmp_path / "fabric.json", {"name": "fabric", "bandwidth": 64e9, "latency_s": 3e-6, "per_gpu": True,
+                                             "sources": {"bandwidth": "datasheet: made up for the test"}})
+    hw_path = _write(tmp_path / "accel.json", {
+        "name": "accel", "peak_flops": 500e12, "mem_bandwidth": 4e12, "memory_bytes": 128e9, "tp_link": "fabric.json",
+        "cost_params": {"compute_efficiency": 0.6, "memory_efficiency": 0.9, "iteration_overhead_s": 2e-3}})
+    hw = get_hardware(hw_path)
+    assert (hw.name, hw.peak_flops, get_link(hw.tp_link).bandwidth) == ("accel", 500e12, 64e9)
+    p = default_params(hw)
+    assert p.compute_efficiency == 0.6 and "hardware file of accel" in p.source("compute_efficiency")
+    # the same model on the file's device costs what its figures say: decode ~ weights / (4 TB/s x 0.9)
+    cm = RooflineCostModel(get_model("llama-3-8b"), hw)
+    d = Deployment(get_model("llama-3-70b"), hw, colocated=RoleConfig(tp=2), tp_link=link)
+    assert d.tp_link_spec().name == "fabric"
+    result = simulate(d, random_requests(5, "256", "8", seed=0))
+    assert all(m.finish_reason == "length" for m in result.requests)
+    from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
+    from phaselab.core.sampling_params import SamplingParams
+    from phaselab.sim.cli import main
+
+    decode = cm.predict(SchedulerOutput(0, [ScheduledRequest("r", [0], 100, [], [], True, False, SamplingParams())]))
+    assert decode.linear_s == pytest.approx(decode.modeled.weight_bytes / (4e12 * 0.9), rel=1e-6)
+    assert main(["simulate", "run", "--model", "llama-3-8b", "--hardware", hw_path, "--interconnect", link,
+                 "--num-prompts", "4", "--input-len", "128", "--output-len", "4"]) == 0
+
+
+@pytest.mark.parametrize("field", ["peak_flops", "mem_bandwidth", "memory_bytes", "name"])
+def test_a_hardware_file_missing_a_field_is_an_error_naming_it(tmp_path, field):
+    d = {"name": "x", "peak_flops": 1e12, "mem_bandwidth": 1e11, "memory_bytes": 1e10}
+    del d[field]
+    with pytest.raises(ConfigError, match=f"lacks the field '{field}'"):
+        get_hardware(_write(tmp_path / "hw.json", d))
+
+
+def test_a_link_file_missing_a_field_is_an_error_naming_it(tmp_path):
+    with pytest.raises(ConfigError, match="lacks the field 'latency_s'"):
+        get_link(_write(tmp_path / "link.json", {"name": "l", "bandwidth": 1e9}))
+    with pytest.raises(ConfigError, match="not in \\(0, 1\\]"):
+        get_hardware(_write(tmp_path / "hw.json", {"name": "x", "peak_flops": 1e12, "mem_bandwidth": 1e11,
+                                                  "memory_bytes": 1e10, "cost_params": {"compute_efficiency": 2}}))
+
+
+YI_34B_200K = {  # config.json of 01-ai/Yi-34B-200K (the fields the simulator reads)
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 7168, "intermediate_size": 20480,
+    "num_attention_heads": 56, "num_hidden_layers": 60, "num_key_value_heads": 8, "vocab_size": 64000,
+    "max_position_embeddings": 200000, "rope_theta": 10000000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16"}
+
+
+def test_a_long_context_model_from_its_hf_config(tmp_path):
+    from phaselab.sim.deployment import Deployment, RoleConfig
+    from phaselab.sim.loop import simulate
+    from phaselab.sim.workload import SimRequest
+
+    path = _write(tmp_path / "config.json", YI_34B_200K)
+    from phaselab.sim.cli import resolve_model
+
+    m = resolve_model(path)
+    assert m.max_position_embeddings == 200000 and m.kv_bytes_per_token(2) == 2 * 60 * 8 * 128 * 2
+    d = Deployment(m, get_hardware("h200"), colocated=RoleConfig(tp=4, max_num_batched_tokens=8192),
+                   max_model_len=131072)
+    assert d.resolved_max_model_len() == 131072
+    result = simulate(d, [SimRequest("long", 120000, 4)])
+    (req,) = result.requests
+    assert req.finish_reason == "length" and req.ttft_s > 1.0  # 120k tokens of prefill take seconds

@@ -54,9 +54,11 @@ def test_tensor_parallelism_splits_work_and_adds_all_reduces():
     c1, c4 = one.predict(plan), four.predict(plan)
     assert c4.linear_s == pytest.approx(c1.linear_s / 4)
     assert c4.allreduce_s > 0 and c1.allreduce_s == 0
-    # all-reduce over 4 GPUs: 2 per layer of 1024 x 8192 x 2 bytes, ring 2 x 3/4 of it over 450 GB/s
+    # all-reduce over 4 GPUs: 2 per layer of 1024 x 8192 x 2 bytes, ring 2 x 3/4 of it over 450 GB/s at the
+    # fitted bus efficiency, plus the fitted latency
     per_layer_bytes = 1024 * 8192 * 2 * 2 * 3 / 4
-    expected = 2 * 80 * (per_layer_bytes / 450e9 + four.params.allreduce_latency_s + 3e-6)
+    p = four.params
+    expected = 2 * 80 * (per_layer_bytes / (450e9 * p.allreduce_efficiency) + p.allreduce_latency_s)
     assert c4.allreduce_s == pytest.approx(expected, rel=1e-6)
     assert c4.modeled == c1.modeled  # modeled counts are the whole instance's
 
@@ -82,7 +84,8 @@ def test_calibration_recovers_a_known_cost_model():
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
     spec, hw = config, get_hardware("cpu")
     truth = CostParams(compute_efficiency=0.8, rows_half=12.0, attention_efficiency=0.25, memory_efficiency=0.6,
-                       iteration_overhead_s=4e-3, layer_overhead_s=0.0, request_overhead_s=3e-4, token_overhead_s=2e-5)
+                       iteration_overhead_s=4e-3, layer_overhead_s=0.0, request_overhead_s=3e-4, token_overhead_s=2e-5,
+                       **FLAT)
     cm = RooflineCostModel(spec, hw, truth)
     rng = random.Random(1)
     records, measured = [], []
@@ -112,6 +115,10 @@ def test_calibration_recovers_a_known_cost_model():
         assert refit.predict(plan_of(entries)).duration_ns == pytest.approx(t, rel=0.01)
 
 
+FLAT = dict(attention_q_half=0.0, attention_k_half=0.0, kv_context_half=0.0)  # calibrate's shape: one efficiency
+# per operator class
+
+
 def _synthetic_run(truth: CostParams, n: int = 300, seed: int = 2):
     config = ModelConfig("llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True)
@@ -136,7 +143,7 @@ def _synthetic_run(truth: CostParams, n: int = 300, seed: int = 2):
     return spec, hw, records, measured
 
 
-@pytest.mark.parametrize("decode_attention", [None, 0.15])
+@pytest.mark.parametrize("decode_attention", [None, 0.05])
 def test_calibration_finds_the_decodes_attention_from_a_compute_bound_start(decode_attention):
     """This CPU's shape: GEMMs compute-bound, a cost per prefill chunk, and the decodes' attention
     (its own kernel) bound by its K/V reads at their own efficiency (None) or by its compute at
@@ -144,25 +151,48 @@ def test_calibration_finds_the_decodes_attention_from_a_compute_bound_start(deco
     must still find the decodes' term and the chunk cost, and the simulator must predict with the
     fitted parameters what the fit did (terms that bound no iteration are set so that they still
     bind none)."""
-    truth = CostParams(compute_efficiency=1.3, rows_half=0.0, attention_efficiency=2.0, memory_efficiency=20.0,
-                       decode_attention_efficiency=decode_attention, kv_memory_efficiency=0.6,
+    truth = CostParams(compute_efficiency=0.45, rows_half=0.0, attention_efficiency=0.7, memory_efficiency=1.0,
+                       decode_attention_efficiency=decode_attention, kv_memory_efficiency=0.2,
                        iteration_overhead_s=0.045, layer_overhead_s=0.0, request_overhead_s=1e-3,
-                       chunk_overhead_s=0.02, token_overhead_s=0.0)
+                       chunk_overhead_s=0.02, token_overhead_s=0.0, **FLAT)
     spec, hw, records, measured = _synthetic_run(truth)
     fit = fit_params(records, measured, spec, hw, 2, "synthetic")
     s = fit.summary()
     assert s["relative_error_abs_p99"] < 0.01
     if decode_attention is None:  # decodes bound by their K/V reads
-        assert fit.params.kv_memory_efficiency == pytest.approx(0.6, rel=0.05)
+        assert fit.params.kv_memory_efficiency == pytest.approx(0.2, rel=0.05)
     else:
-        assert fit.params.decode_attention_efficiency == pytest.approx(0.15, rel=0.05)
+        assert fit.params.decode_attention_efficiency == pytest.approx(0.05, rel=0.05)
     assert fit.params.chunk_overhead_s == pytest.approx(0.02, rel=0.05)
     assert fit.params.request_overhead_s == pytest.approx(1e-3, rel=0.1)
-    assert "bound no iteration" in fit.params.source("memory_efficiency")
+    for name in ("compute_efficiency", "memory_efficiency", "attention_efficiency", "kv_memory_efficiency"):
+        assert 0 < getattr(fit.params, name) <= 1
     refit = RooflineCostModel(spec, hw, fit.params)
     for rec, t in zip(records, measured):
         entries = [(c.context_len - c.num_tokens, c.num_tokens, True) for c in rec.chunks]
         assert refit.predict(plan_of(entries)).duration_ns == pytest.approx(t, rel=0.01)
+
+
+def test_calibration_caps_efficiencies_at_the_measured_ceiling():
+    """Issue 15, item 4: a run faster than the hardware entry's ceiling (here: the entry's peak halved,
+    so the GEMMs ran at 1.8x of it) is fitted with compute_efficiency capped at 1, the excess absorbed
+    by the other terms, and the source says so; the simulator predicts what the bounded fit did."""
+    from dataclasses import replace
+
+    truth = CostParams(compute_efficiency=0.9, rows_half=0.0, attention_efficiency=0.7, memory_efficiency=1.0,
+                       kv_memory_efficiency=0.5, iteration_overhead_s=0.02, layer_overhead_s=0.0,
+                       request_overhead_s=5e-4, chunk_overhead_s=0.0, token_overhead_s=0.0, **FLAT)
+    spec, hw, records, measured = _synthetic_run(truth)
+    slow = replace(hw, peak_flops=hw.peak_flops / 2)
+    fit = fit_params(records, measured, spec, slow, 2, "synthetic")
+    p = fit.params
+    assert p.compute_efficiency == 1.0 and "capped at 1" in p.source("compute_efficiency")
+    for name in ("memory_efficiency", "attention_efficiency", "kv_memory_efficiency", "decode_attention_efficiency"):
+        assert 0 < getattr(p, name) <= 1
+    refit = RooflineCostModel(spec, slow, p)
+    pred = [refit.predict(plan_of([(c.context_len - c.num_tokens, c.num_tokens, True) for c in rec.chunks]))
+            .duration_ns for rec in records]
+    assert sum(pred) / 1e9 == pytest.approx(fit.predicted_total_s, rel=1e-3)
 
 
 def test_cost_params_without_the_newer_fields_keep_their_meaning():
@@ -178,3 +208,5 @@ def test_plan_counts():
     c = plan_counts(plan_of([(4, 3, False), (7, 1, True), (2, 1, True)]))
     assert (c.num_entries, c.num_tokens, c.num_sampled) == (3, 5, 2)
     assert c.kv_tokens_read == 4 + 8 + 3 and c.keys_attended == 18 + 8 + 3  # docs/metrics.md's worked example
+    # the chunk's shape (tokens, start) for the attention efficiency curve; decodes are counted, not listed
+    assert c.chunks == ((3, 4),) and (c.num_chunks, c.num_decodes, c.decode_keys) == (1, 2, 8 + 3)

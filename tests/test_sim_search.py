@@ -73,3 +73,39 @@ def test_max_rate_brackets_the_slo():
     c = max_rate(d, workload, slo, start_rate=2.0, num_bisections=4)
     assert c.rate > 0 and c.figure >= 0.9
     assert not slo.check(simulate(d, workload(c.rate * 3)).requests)[0]
+
+
+def test_search_takes_another_cost_model():
+    """search() prices iterations with the cost model it is given: with every iteration twice as long,
+    the P99 time between tokens it judges doubles, and under an SLO between the two the slower model
+    meets it only at a lower rate."""
+    from phaselab.sim.catalog import get_hardware, get_model
+    from phaselab.sim.cost import RooflineCostModel
+    from phaselab.sim.search import SLO, candidates, random_workload_at, search
+
+    model, hw = get_model("llama-3-8b"), get_hardware("h100")
+    deps = candidates(model, hw, 1, modes=("colocated",), tps=(1,), budgets=(512,), policies=("chunked",),
+                      role={"max_num_seqs": 64})
+    assert deps and all(d.colocated.max_num_seqs == 64 for d in deps)
+
+    class Slower:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def predict(self, plan):
+            cost = self.inner.predict(plan)
+            cost.duration_ns *= 2
+            return cost
+
+    def slower(name, role, rc):
+        d = deps[0]
+        return Slower(RooflineCostModel(d.model, d.hardware, d.cost_params, rc.tp, d.dtype_bytes))
+
+    workload = random_workload_at(60, "uniform:256:1024", "uniform:32:64", seed=0)
+    fast = search(deps, workload, SLO("capacity", tbt_p99_s=1.0), num_bisections=2).candidates[0]
+    slow = search(deps, workload, SLO("capacity", tbt_p99_s=1.0), num_bisections=2, cost_model=slower).candidates[0]
+    assert slow.figure == pytest.approx(2 * fast.figure, rel=0.05)
+    between = SLO("capacity", tbt_p99_s=1.5 * fast.figure)
+    rate_fast = search(deps, workload, between, num_bisections=2).candidates[0].rate
+    rate_slow = search(deps, workload, between, num_bisections=2, cost_model=slower).candidates[0].rate
+    assert rate_slow < rate_fast

@@ -73,6 +73,7 @@ def sim_spec(model: str, hardware: str, num_gpus: int = 8, tp: int | None = None
     """Resolve `compare --simulate`'s options (catalog names checked, TP and the split chosen) into a SimSpec."""
     from phaselab.errors import ConfigError
     from phaselab.sim.catalog import get_hardware, get_link
+    from phaselab.sim.catalog_files import is_file_ref
     from phaselab.sim.cli import DTYPE_BYTES, resolve_model
 
     m, hw = resolve_model(model), get_hardware(hardware)
@@ -94,9 +95,10 @@ def sim_spec(model: str, hardware: str, num_gpus: int = 8, tp: int | None = None
             raise ConfigError(f"{flag}: {e}") from None
     num_engines = num_gpus // tp
     p, d = parse_split(split, num_engines) if num_engines >= 2 else (0, 0)
-    return SimSpec(model if os.path.exists(model) else m.name, hw.name, num_gpus, tp, p, d,
-                   get_link(link or hw.tp_link).name, request_rate, num_prompts, input_len, output_len, burstiness,
-                   seed, dtype, params, first_token_from, transfer_mode)
+    link_name = get_link(link or hw.tp_link).name  # checked here; a device or link file is kept as its path
+    return SimSpec(model if os.path.exists(model) else m.name, hardware if is_file_ref(hardware) else hw.name,
+                   num_gpus, tp, p, d, link if link and is_file_ref(link) else link_name, request_rate, num_prompts,
+                   input_len, output_len, burstiness, seed, dtype, params, first_token_from, transfer_mode)
 
 
 def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: bool = True) -> Plan:

@@ -51,10 +51,12 @@ class PlanCounts:
     keys_attended: int  # sum over queries of the keys each attends (causal)
     num_decodes: int = 0  # single-token entries
     decode_keys: int = 0  # of keys_attended and kv_tokens_read: the decodes' (each its context)
+    chunks: tuple[tuple[int, int], ...] = ()  # (num_tokens, start_position) of each prefill chunk (its shape)
 
 
 def plan_counts(plan: SchedulerOutput) -> PlanCounts:
     num_tokens = num_sampled = kv_read = keys = chunks = decodes = decode_keys = 0
+    shapes = []
     for e in plan.scheduled:
         n, s = len(e.token_ids), e.start_position
         num_tokens += n
@@ -69,7 +71,32 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
             chunks += 1
             kv_read += s  # a chunk reads the prefix before it; its own K/V stay on chip
             keys += keys_attended(n, s)
-    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys)
+            shapes.append((n, s))
+    return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys,
+                      tuple(shapes))
+
+
+def elementwise_elements_per_token(config: ModelConfig, tp: int = 1) -> dict[str, int]:
+    """Elements one token reads and writes in each elementwise kernel of one layer, on one GPU of a
+    tensor-parallel group of tp (not part of ModeledCost: the simulator prices them as their own term,
+    and its profile reader counts Vidur's per-kernel timings with them). Norms and the residual add
+    work on the full hidden state (replicated under TP); RoPE on this GPU's q and k heads (KV heads
+    replicated when fewer than tp), the MLP's activation on its shard. "add" is one of the layer's two."""
+    c = config
+    h, i = c.hidden_size, c.intermediate_size
+    q = c.num_attention_heads * c.head_dim // tp
+    kv = max(1, c.num_key_value_heads // tp) * c.head_dim
+    return {"input_layernorm": 2 * h, "post_attention_layernorm": 2 * h,  # read x, write y
+            "attn_rope": 2 * (q + kv),  # read and write q, k
+            "mlp_act": (3 if c.mlp_matrices == 3 else 2) * i // tp,  # gated: read gate and up, write one
+            "add": 3 * h}  # read two, write one
+
+
+def elementwise_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes one token moves through one layer's elementwise kernels on one GPU: two norms, RoPE, the
+    activation and two residual adds (elementwise_elements_per_token), each read and written once."""
+    e = elementwise_elements_per_token(config, tp)
+    return (sum(e.values()) + e["add"]) * dtype_bytes
 
 
 class CostFormulas:

@@ -267,21 +267,34 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
     # Where both branches of a max() were left at 0 (the fit gave that term no time at all), there is
     # no such value: the term keeps its starting efficiencies, pinned, and the fit is repeated.
     unbound: set[str] = set()
-    for _ in range(len(EFFICIENCY_COLUMNS)):
+    capped: dict[str, float] = {}  # efficiency column -> the coefficient the fit wanted below 1 (efficiency > 1)
+    for _ in range(2 * len(EFFICIENCY_COLUMNS) + 1):
         x_unbound, unbound = _unbind(x, f, x0, pinned)
         kept = {name: float(x0[COLUMNS.index(name)]) for name in unbound
                 if x_unbound[COLUMNS.index(name)] == x0[COLUMNS.index(name)]}
-        if not kept:
+        # bounds: an efficiency is a fraction of the hardware entry's measured ceiling, at most 1. A fit
+        # that wants more (coefficient 1 / e < 1) is refitted with it pinned at 1, the others absorbing
+        # the rest, so the simulator predicts what the bounded fit did.
+        over = {name: float(x_unbound[COLUMNS.index(name)]) for name in EFFICIENCY_COLUMNS
+                if name not in pinned and x_unbound[COLUMNS.index(name)] < 1.0 - 1e-6}
+        if not kept and not over:
             x = x_unbound
+            for name in EFFICIENCY_COLUMNS:  # rounding: an efficiency of 1 + 1e-7 is 1
+                x[COLUMNS.index(name)] = max(x[COLUMNS.index(name)], 1.0)
             break
-        pinned |= kept
-        _, x = _alternate(f, y, scale, pinned, [_predict(np.where([c in kept for c in COLUMNS], x0, x), f)[1]]
-                          + starts, max_rounds)
-    kept_at_start = {name for name in pinned if name not in (fixed or {})}
+        capped |= over
+        pinned |= kept | {name: 1.0 for name in over}
+        restart = np.where([c in pinned for c in COLUMNS], [pinned.get(c, 0.0) for c in COLUMNS], x)
+        _, x = _alternate(f, y, scale, pinned, [_predict(restart, f)[1]] + starts, max_rounds)
+    unbound -= set(capped)
+    kept_at_start = {name for name in pinned if name not in (fixed or {}) and name not in capped}
     o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv = (float(v) for v in x)
     note = f"fitted on run {label} ({len(y)} iterations)"
 
     def eff(column: str, inv: float) -> tuple[float, str]:
+        if column in capped:
+            return 1.0, (f"fitted on run {label}: capped at 1 (the unbounded fit wanted {1 / capped[column]:.3g} of "
+                         f"{hw.name}'s measured ceiling); the other terms refitted with it there")
         if column in kept_at_start:
             return 1 / inv, (f"fitted on run {label}: the fit gave this term no time; kept at the starting "
                              f"{1 / inv:g} ({start.source(PARAM_OF[column])})")
@@ -304,7 +317,13 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
         decode_attention_efficiency=e_att_d, memory_efficiency=e_mem,
         kv_memory_efficiency=e_kv, iteration_overhead_s=o_iter, layer_overhead_s=0.0, request_overhead_s=o_req,
         chunk_overhead_s=o_chunk, token_overhead_s=0.0, allreduce_latency_s=start.allreduce_latency_s,
-        sources={"compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
+        allreduce_efficiency=start.allreduce_efficiency,
+        # the fit's own shape: one efficiency per class, no curve in q, k or context, no elementwise term
+        attention_q_half=0.0, attention_k_half=0.0, kv_context_half=0.0, elementwise_efficiency=None,
+        sources={**{k: f"fitted on run {label}: 0, one efficiency per operator class (no shape curve)"
+                    for k in ("attention_q_half", "attention_k_half", "kv_context_half")},
+                 "elementwise_efficiency": "not a term of its own: folded into the others by the fit",
+                 "compute_efficiency": s_e, "rows_half": s_r, "memory_efficiency": s_m, "attention_efficiency": s_a,
                  "decode_attention_efficiency": s_ad,
                  "kv_memory_efficiency": s_kv,
                  "iteration_overhead_s": note + "; per-layer overheads folded in",

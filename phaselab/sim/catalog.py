@@ -82,9 +82,12 @@ class HardwareSpec:
     peak_flops: float = field(metadata={"help": "dense bf16/fp16 tensor FLOP/s of one device (no sparsity)"})
     mem_bandwidth: float = field(metadata={"help": "device memory bandwidth, bytes/s"})
     memory_bytes: int = field(metadata={"help": "device memory, bytes"})
-    tp_link: str = field(default="nvlink4", metadata={"help": "LINKS entry of the tensor-parallel group"})
+    tp_link: str = field(default="nvlink4", metadata={
+        "help": "LINKS entry (or link file) of the tensor-parallel group"})
     description: str = ""
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    cost_params: dict[str, Any] | None = field(default=None, compare=False, metadata={
+        "help": "CostParams fields of a device read from a file (catalog_files.py); None: the catalog's defaults"})
 
 
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
@@ -103,9 +106,11 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
     # This machine: 2 cores of an Intel Xeon (Sapphire Rapids family, AVX512-BF16, no AMX exposed).
     # Figures from `python benchmarks/roofline.py --quick` on it; `phaselab simulate calibrate` fits
     # the efficiencies and overheads of a real run against them.
-    HardwareSpec("cpu", 63e9, 9.1e9, 23 * GiB, "pcie4", "this CPU (2 cores), as measured", {
-        "peak_flops": "measured: benchmarks/roofline.py --quick, bf16 layer-mix GEMM at 512 rows, 63 GFLOP/s",
-        "mem_bandwidth": "measured: benchmarks/roofline.py --quick, read bandwidth of a 256 MiB array, 9.1 GB/s",
+    HardwareSpec("cpu", 180e9, 27.7e9, 23 * GiB, "pcie4", "this CPU (2 cores), as measured", {
+        "peak_flops": "measured: benchmarks/results/roofline.json (quiet machine, 2 threads), the fastest bf16 "
+                      "GEMM of the bundled model's shapes, 179.7 GFLOP/s (o_proj at 2048 rows)",
+        "mem_bandwidth": "measured: benchmarks/results/roofline.json (quiet machine), read bandwidth of a 1 GiB "
+                         "array, 27.7 GB/s",
         "memory_bytes": "measured: free -g, 23 GiB",
         "tp_link": "default: unused (one device)"}),
 )}
@@ -113,10 +118,20 @@ HARDWARE_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200",
 
 
 def get_hardware(name: str) -> HardwareSpec:
+    """A catalog entry by name, or a hardware JSON file (catalog_files.py)."""
+    from phaselab.sim import catalog_files
+
+    if catalog_files.is_file_ref(name):
+        return catalog_files.load_hardware(name)
     return _lookup(HARDWARE, HARDWARE_ALIASES, name, "hardware")
 
 
 def get_link(name: str) -> LinkSpec:
+    """A catalog link by name, or a link JSON file (catalog_files.py)."""
+    from phaselab.sim import catalog_files
+
+    if catalog_files.is_file_ref(name):
+        return catalog_files.load_link(name)
     return _lookup(LINKS, {"nvlink": "nvlink4", "ib": "ib-ndr", "infiniband": "ib-ndr", "ethernet": "25gbe"},
                    name, "link")
 
@@ -128,7 +143,8 @@ def _lookup(table: dict[str, Any], aliases: dict[str, str], name: str, kind: str
         return table[key]
     close = difflib.get_close_matches(key, list(table), n=3)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ConfigError(f"unknown {kind} {name!r}{hint}; the catalog has {', '.join(sorted(table))}")
+    raise ConfigError(f"unknown {kind} {name!r}{hint}; the catalog has {', '.join(sorted(table))}, or pass a "
+                      f"{kind} JSON file (docs/simulator.md, 'Adding a device from a file')")
 
 
 # -- models ----------------------------------------------------------------------------------------------

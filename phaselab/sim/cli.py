@@ -4,6 +4,7 @@
         --decode-workers 2 --tp-prefill 4 --tp-decode 4 --transfer-link 25gbe --request-rate 4 --out DIR
     phaselab simulate replay RUN_DIR            the real run's iteration times in, its plans compared
     phaselab simulate calibrate RUN_DIR --out cpu.json
+    phaselab simulate fit --vidur a100 --out a100.json   a device's curves from operator profile tables
     phaselab simulate search --model llama-3-8b --hardware h100 --max-gpus 8 --ttft-slo 0.5 --tpot-slo 0.05
     phaselab simulate catalog                   hardware, links and models with their sources
 
@@ -62,11 +63,16 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                                      "iteration times vs the plans' FLOPs and bytes, least squares) and report the "
                                      "fit error.")
     cal.add_argument("run_dir", metavar="RUN_DIR")
-    cal.add_argument("--hardware", default="cpu", help="catalog entry the run ran on (default: %(default)s)")
+    cal.add_argument("--hardware", default="cpu", help="catalog entry (or hardware JSON file) the run ran on "
+                                                       "(default: %(default)s)")
     cal.add_argument("--out", default=None, help="write the fitted parameters (JSON, with sources) here")
     cal.add_argument("--weighting", default="sqrt", choices=["sqrt", "relative", "absolute"],
                      help="least-squares weight of each iteration's error: 1/sqrt(time), 1/time or 1 "
                           "(default: %(default)s)")
+
+    from phaselab.sim.fit import add_fit_parser
+
+    add_fit_parser(sub)
 
     se = sub.add_parser("search", help="find the deployment with the best goodput (or capacity) per GPU",
                         description="Search deployments (prefill:decode ratio, tensor parallelism per phase, chunk "
@@ -80,6 +86,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     se.add_argument("--budgets", default="512,2048", help="token budgets to try (default: %(default)s)")
     se.add_argument("--policies", default="chunked,prefill-first", help="colocated policies (default: %(default)s)")
     se.add_argument("--max-pool", type=int, default=4, help="most engines per disagg pool (default: %(default)s)")
+    se.add_argument("--prefill-decode", default=None, metavar="P:D,...",
+                    help="disagg engine ratios to try, e.g. 1:1,2:1 (default: every coprime pair up to --max-pool)")
+    se.add_argument("--prefill-policies", default="chunked", help="disagg prefill pool policies (default: %(default)s)")
+    se.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per engine "
+                                                                  "(default: %(default)s)")
+    se.add_argument("--long-prefill-token-threshold", type=int, default=0)
     se.add_argument("--transfer-link", default=None, help="disagg KV link (default: the hardware's NVLink)")
     se.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
     se.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"])
@@ -110,7 +122,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", default="llama-3-8b",
                    help=f"catalog name ({', '.join(MODELS)}) or a Hugging Face config.json / model directory "
                         "(default: %(default)s)")
-    m.add_argument("--hardware", default="h100", help=f"{', '.join(HARDWARE)} (default: %(default)s)")
+    m.add_argument("--hardware", default="h100", help=f"{', '.join(HARDWARE)}, or a hardware JSON file "
+                                                      "(docs/simulator.md) (default: %(default)s)")
     m.add_argument("--params", default=None, help="cost parameters JSON (from `simulate calibrate`)")
     m.add_argument("--dtype", default="bfloat16", choices=list(DTYPE_BYTES),
                    help="weights and KV (default: %(default)s)")
@@ -129,6 +142,8 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     add_fields(d, RoleConfig, ["tp"], flag_suffix="-decode", dest_suffix="_decode", help_suffix=", disagg decode")
     add_fields(d, RoleConfig, ROLE_FIELDS)
     add_fields(d, Deployment, DEPLOYMENT_FIELDS)
+    d.add_argument("--interconnect", dest="tp_link", default=argparse.SUPPRESS, metavar="TP_LINK",
+                   help="the same as --tp-link: a link name or a link JSON file (docs/simulator.md)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -246,7 +261,7 @@ def exact_workload(ns: argparse.Namespace, arrivals: Any) -> list[Any]:
 def run_simulate(ns: argparse.Namespace) -> int:
     try:
         return {"run": _cmd_run, "replay": _cmd_replay, "calibrate": _cmd_calibrate, "search": _cmd_search,
-                "catalog": _cmd_catalog}[ns.sim_command](ns)
+                "catalog": _cmd_catalog, "fit": _cmd_fit}[ns.sim_command](ns)
     except (ConfigError, ValueError, OSError) as e:
         print(f"phaselab simulate: error: {e}", file=sys.stderr)
         return 2
@@ -303,11 +318,17 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
           f"{s['total_time_error']:+.1%}")
     for k, v in fit.params.to_json().items():
         if k != "sources":
-            print(f"  {k:<22} {v:.6g}   ({fit.params.source(k)})")
+            print(f"  {k:<22} {'-' if v is None else format(v, '.6g')}   ({fit.params.source(k)})")
     if ns.out:
         write_params(fit, hw, ns.out)
         print(f"parameters written to {ns.out}; use them with --hardware {hw.name} --params {ns.out}")
     return 0
+
+
+def _cmd_fit(ns: argparse.Namespace) -> int:
+    from phaselab.sim.fit import run_fit
+
+    return run_fit(ns)
 
 
 def _cmd_search(ns: argparse.Namespace) -> int:
@@ -320,8 +341,12 @@ def _cmd_search(ns: argparse.Namespace) -> int:
     base = dict(dtype_bytes=DTYPE_BYTES[ns.dtype], gpu_memory_utilization=ns.gpu_memory_utilization,
                 max_model_len=ns.max_model_len, transfer_link=ns.transfer_link, transfer_mode=ns.transfer_mode,
                 first_token_from=ns.first_token_from)
+    ratios = [tuple(int(v) for v in r.split(":")) for r in _csv(ns.prefill_decode, str)] if ns.prefill_decode \
+        else None
+    role = dict(max_num_seqs=ns.max_num_seqs, long_prefill_token_threshold=ns.long_prefill_token_threshold)
     deps = candidates(model, hw, ns.max_gpus, _csv(ns.modes, str), _csv(ns.tps, int), _csv(ns.budgets, int),
-                      _csv(ns.policies, str), ns.max_pool, params, base)
+                      _csv(ns.policies, str), ns.max_pool, params, base, role=role, ratios=ratios,
+                      prefill_policies=_csv(ns.prefill_policies, str))
     print(f"objective: {slo.definition()}")
     print(f"searching {len(deps)} deployments of {model.name} on {hw.name} (<= {ns.max_gpus} GPUs), "
           f"{ns.num_prompts} requests per simulation", file=sys.stderr)
@@ -346,6 +371,7 @@ def _cmd_search(ns: argparse.Namespace) -> int:
 
 def _cmd_catalog(ns: argparse.Namespace) -> int:
     from phaselab.sim.catalog import source_of
+    from phaselab.sim.cost import default_params
 
     print("hardware:")
     for h in HARDWARE.values():
@@ -353,6 +379,10 @@ def _cmd_catalog(ns: argparse.Namespace) -> int:
               f"{h.memory_bytes / GiB:.0f} GiB, TP over {h.tp_link}")
         for f in ("peak_flops", "mem_bandwidth", "memory_bytes"):
             print(f"           {f}: {source_of(h, f)}")
+        p = default_params(h)
+        print(f"           cost: e_max {p.compute_efficiency:.3g} (T_half {p.rows_half:.3g}), e_mem "
+              f"{p.memory_efficiency:.3g}, e_att {p.attention_efficiency:.3g}, e_ar {p.allreduce_efficiency:.3g}: "
+              f"{p.source('compute_efficiency')}")
     print("links:")
     for link in LINKS.values():
         print(f"  {link.name:<8} {link.bandwidth / 1e9:g} GB/s per direction{' per GPU' if link.per_gpu else ''}, "

@@ -64,8 +64,9 @@ class Deployment:
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of each GPU's memory used"})
     activation_reserve_bytes: int = 2 * GiB  # per GPU: activations, CUDA graphs, workspace
     tp_link: str | None = field(default=None, metadata={
-        "help": f"tensor-parallel link: {', '.join(LINKS)} (None: the hardware's)"})
-    transfer_link: str | None = field(default=None, metadata={"help": "disagg KV transfer link (None: the TP link)"})
+        "help": f"tensor-parallel link: {', '.join(LINKS)}, or a link JSON file (None: the hardware's)"})
+    transfer_link: str | None = field(default=None, metadata={
+        "help": "disagg KV transfer link, a name or a link JSON file (None: the TP link)"})
     transfer_mode: str = field(default="after-prefill", metadata={"choices": TRANSFER_MODES, "help": "disagg KV transfer"})
     # who sends the first token: the prefill side as soon as it is sampled (phaselab's router), or
     # the decode side once the KV has arrived (a proxy that waits for the decode instance)
@@ -109,7 +110,11 @@ class Deployment:
         return get_link(self.tp_link or self.hardware.tp_link)
 
     def transfer_link_spec(self) -> LinkSpec:
-        return get_link(self.transfer_link or self.tp_link or self.hardware.tp_link)
+        """The KV transfer's link at its fitted point-to-point efficiency and latency where a shipped
+        device fit measured it (NVLink 3/4 from Vidur's send_recv tables), else its datasheet figures."""
+        from phaselab.sim.fit import effective_link
+
+        return effective_link(get_link(self.transfer_link or self.tp_link or self.hardware.tp_link))
 
     def num_blocks(self, rc: RoleConfig) -> int:
         """KV blocks of one engine: what its GPUs' memory holds after the weights."""

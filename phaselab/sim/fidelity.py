@@ -72,11 +72,16 @@ def speed_probe(engine: Any, text_ids: list[int], tag: str, n: int = 3, num_toke
     return float(np.median(times))
 
 
-def simulate_like(run_dir: str, reqs: list[SimRequest], params: CostParams) -> dict:
+def simulate_like(run_dir: str, reqs: list[SimRequest], params: CostParams, speed: float = 1.0) -> dict:
     """The simulator's prediction of a real run: its scheduler config and KV blocks, these requests
-    (with their arrival times), the cost model `params`; returns report.summarize's dict."""
+    (with their arrival times), the cost model `params` (on a machine `speed` times slower than the
+    calibration's: every time multiplied by it, see `scaled`); returns report.summarize's dict."""
     d_replay, _, _, _ = replay_inputs(read_run_dir(run_dir))
-    d = dataclasses.replace(d_replay, params=params)
+    hw = d_replay.hardware
+    if speed != 1.0:  # the ceilings move, not the efficiencies (they stay fractions of them, <= 1)
+        hw = dataclasses.replace(hw, peak_flops=hw.peak_flops / speed, mem_bandwidth=hw.mem_bandwidth / speed)
+        params = scaled(params, speed)
+    d = dataclasses.replace(d_replay, params=params, hardware=hw)
     return summarize(simulate(d, reqs, ArrivalPlan(self_timed=True)).requests)
 
 
@@ -108,14 +113,10 @@ def speed_ratio(run_dir: str, params: CostParams) -> float:
 
 
 def scaled(params: CostParams, k: float) -> CostParams:
-    """The same cost model, every time multiplied by k."""
-    def div(v):
-        return None if v is None else v / k
+    """The fixed times multiplied by k; with the hardware's ceilings divided by k (simulate_like), every
+    time of the cost model is multiplied by k and every efficiency stays what was fitted."""
     return dataclasses.replace(
-        params, compute_efficiency=params.compute_efficiency / k, attention_efficiency=params.attention_efficiency / k,
-        decode_attention_efficiency=div(params.decode_attention_efficiency),
-        memory_efficiency=params.memory_efficiency / k, kv_memory_efficiency=div(params.kv_memory_efficiency),
-        iteration_overhead_s=params.iteration_overhead_s * k, layer_overhead_s=params.layer_overhead_s * k,
+        params, iteration_overhead_s=params.iteration_overhead_s * k, layer_overhead_s=params.layer_overhead_s * k,
         request_overhead_s=params.request_overhead_s * k, chunk_overhead_s=params.chunk_overhead_s * k,
         token_overhead_s=params.token_overhead_s * k)
 

@@ -116,12 +116,19 @@ class SearchResult:
                 "best": best.to_json() if best else None, "candidates": [c.to_json() for c in self.ranked()]}
 
 
-def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int, modes: Sequence[str] = ("colocated", "disagg"),
+def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int,
+               modes: Sequence[str] = ("colocated", "disagg"),
                tps: Sequence[int] = (1, 2, 4, 8), budgets: Sequence[int] = (512, 2048),
                policies: Sequence[str] = ("chunked", "prefill-first"), max_pool: int = 4,
-               params: CostParams | None = None, base: dict[str, Any] | None = None) -> list[Deployment]:
-    """Every deployment unit of the search space that fits in max_gpus and in memory."""
-    base = base or {}
+               params: CostParams | None = None, base: dict[str, Any] | None = None,
+               role: dict[str, Any] | None = None, ratios: Sequence[tuple[int, int]] | None = None,
+               prefill_policies: Sequence[str] = ("chunked",)) -> list[Deployment]:
+    """Every deployment unit of the search space that fits in max_gpus and in memory.
+
+    role: more RoleConfig fields for every engine (max_num_seqs, long_prefill_token_threshold, ...);
+    ratios: the disaggregated (P, D) engine counts to try (default: every coprime pair up to max_pool);
+    prefill_policies: the prefill pool's scheduling (chunked with each budget, or prefill-first)."""
+    base, role = base or {}, role or {}
     out: list[Deployment] = []
     tps = [t for t in tps if t <= max_gpus and model.num_attention_heads % t == 0]
 
@@ -136,23 +143,27 @@ def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int, modes:
         for tp, policy in itertools.product(tps, policies):
             for budget in (budgets if policy == "chunked" else [None]):
                 d = Deployment(model, hardware, "colocated", colocated=RoleConfig(tp=tp, policy=policy,
-                               max_num_batched_tokens=budget), params=params, **base)
+                               max_num_batched_tokens=budget, **role), params=params, **base)
                 if fits(d):
                     out.append(d)
     if "disagg" in modes:
-        for p, dn, tp_p, tp_d in itertools.product(range(1, max_pool + 1), range(1, max_pool + 1), tps, tps):
-            if p * tp_p + dn * tp_d > max_gpus or math.gcd(p, dn) != 1:
-                continue  # (2, 2) is (1, 1) twice: same per-GPU figure
-            for budget in budgets:
-                d = Deployment(model, hardware, "disagg", num_prefill=p, num_decode=dn,
-                               prefill=RoleConfig(tp=tp_p, policy="chunked", max_num_batched_tokens=budget),
-                               decode=RoleConfig(tp=tp_d), params=params, **base)
-                if fits(d):
-                    out.append(d)
+        pairs = ratios or [(p, dn) for p in range(1, max_pool + 1) for dn in range(1, max_pool + 1)
+                           if math.gcd(p, dn) == 1]  # (2, 2) is (1, 1) twice: same per-GPU figure
+        for (p, dn), tp_p, tp_d in itertools.product(pairs, tps, tps):
+            if p * tp_p + dn * tp_d > max_gpus:
+                continue
+            for policy in prefill_policies:
+                for budget in (budgets if policy == "chunked" else [None]):
+                    d = Deployment(model, hardware, "disagg", num_prefill=p, num_decode=dn,
+                                   prefill=RoleConfig(tp=tp_p, policy=policy, max_num_batched_tokens=budget, **role),
+                                   decode=RoleConfig(tp=tp_d, **role), params=params, **base)
+                    if fits(d):
+                        out.append(d)
     return out
 
 
 WorkloadAt = Callable[[float], list[SimRequest]]
+CostModelFactory = Callable[[str, str, RoleConfig], Any]  # (worker name, role, its RoleConfig) -> cost model
 
 
 def random_workload_at(num_prompts: int, input_len: str, output_len: str, seed: int = 0,
@@ -162,13 +173,17 @@ def random_workload_at(num_prompts: int, input_len: str, output_len: str, seed: 
 
 
 def max_rate(deployment: Deployment, workload_at: WorkloadAt, slo: SLO, start_rate: float = 1.0,
-             num_bisections: int = 6, max_doublings: int = 12) -> Candidate:
-    """The highest rate meeting the SLO (doubling, then bisection on a log scale)."""
+             num_bisections: int = 6, max_doublings: int = 12, cost_model: CostModelFactory | None = None
+             ) -> Candidate:
+    """The highest rate meeting the SLO (doubling, then bisection on a log scale). cost_model: builds
+    each worker's cost model, (name, role, RoleConfig) -> an object with predict(plan) -> IterationCost
+    (default: the roofline model of the deployment's hardware and parameters)."""
     cand = Candidate(deployment)
 
     def passes(rate: float) -> tuple[bool, float]:
         cand.num_simulations += 1
-        result = simulate(deployment, workload_at(rate), ArrivalPlan(self_timed=True), record_iterations=False)
+        result = simulate(deployment, workload_at(rate), ArrivalPlan(self_timed=True), record_iterations=False,
+                          cost_model_factory=cost_model)
         return slo.check(result.requests)
 
     lo, hi = 0.0, start_rate
@@ -204,11 +219,13 @@ def max_rate(deployment: Deployment, workload_at: WorkloadAt, slo: SLO, start_ra
 
 
 def search(deployments: Sequence[Deployment], workload_at: WorkloadAt, slo: SLO, start_rate_per_gpu: float = 1.0,
-           num_bisections: int = 6, progress: Callable[[int, int, Candidate], None] | None = None) -> SearchResult:
+           num_bisections: int = 6, progress: Callable[[int, int, Candidate], None] | None = None,
+           cost_model: CostModelFactory | None = None) -> SearchResult:
     result = SearchResult(slo)
     for i, d in enumerate(deployments):
         try:
-            cand = max_rate(d, workload_at, slo, start_rate_per_gpu * d.num_gpus, num_bisections)
+            cand = max_rate(d, workload_at, slo, start_rate_per_gpu * d.num_gpus, num_bisections,
+                            cost_model=cost_model)
         except ConfigError as e:
             cand = Candidate(d, error=str(e))
         result.candidates.append(cand)
