@@ -202,6 +202,54 @@ def validation_section(val: dict | None) -> list[str]:
     return out + [""]
 
 
+def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
+    """Issue 18: linear paths (benchmarks/linear.py) and decode-step shares (benchmarks/step_profile.py)."""
+    if not lin:
+        return ["## Linear paths (issue 18)", "", "Run `python benchmarks/linear.py`.", ""]
+    cpu = lin.get("cpu", {})
+    isa = ", ".join(k for k, v in cpu.get("isa", {}).items() if v)
+    out = ["## Linear paths: weights as stored (`benchmarks/linear.py`, issue 18)", "",
+           f"Machine: {cpu.get('model', '?')}, {lin.get('cores')} cores ({isa}); torch {lin.get('torch')}, "
+           f"{lin.get('threads')} threads; run {lin.get('started')}, load average {fmt(lin['load_avg_at_start'][0], 1)} at start, "
+           f"{fmt(lin['load_avg_at_end'][0], 1)} at end (a shared machine: compare paths within a row, as ratios). "
+           f"Read bandwidth {fmt(lin.get('read_bandwidth_GBps'), 1)} GB/s.", ""]
+    for act, rows in lin.get("rows", {}).items():
+        paths = [k for k in next(iter(rows.values())) if not k.startswith("load")]
+        out += [f"All linear layers of the bundled model once (30 layers + LM head), activations {act}: ms (GB/s of the weights as that path stores them)", "",
+                "| rows | " + " | ".join(paths) + " | load |", "|---" * (len(paths) + 2) + "|"]
+        for m, r in rows.items():
+            out.append(f"| {m} | " + " | ".join(f"{r[p]['ms']:.1f} ({r[p]['GBps']:.1f})" for p in paths)
+                       + f" | {fmt(r['load_avg_before'], 1)} |")
+        out.append("")
+    if lin.get("decode"):
+        out += ["Decode, batch 1, 512-token context (median step); floor = (weights as stored + KV read) / read bandwidth; "
+                "16-bit floor = bf16 weights + bf16 KV.", "",
+                "| dtype / path | ms/step | weights MB | floor ms | / floor | / 16-bit floor | load |", "|---|---|---|---|---|---|---|"]
+        for k, v in lin["decode"].items():
+            out.append(f"| {k} | {v['ms_per_step_median']:.1f} | {v['weight_bytes'] / 1e6:.1f} | {v['floor_ms']:.1f} | "
+                       f"{v['vs_floor']:.2f}x | {fmt(v.get('vs_floor16'), 2)}x | {fmt(v['load_avg'], 1)} |")
+        out.append("")
+    if lin.get("prefix"):
+        out += ["Prefill of 2000 new tokens, cold vs after a 16-token prefix-cache hit (ms per new token):", "",
+                "| dtype | cold | after the hit | ratio | load |", "|---|---|---|---|---|"]
+        for k, v in lin["prefix"].items():
+            out.append(f"| {k} | {v['cold_ms_per_token']:.3f} | {v['after_16_token_hit_ms_per_token']:.3f} | "
+                       f"{v['ratio']:.2f}x | {fmt(v['load_avg'], 1)} |")
+        out.append("")
+    if prof:
+        out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares", "",
+                "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for cfg, runs in prof.get("profiles", {}).items():
+            for r in runs:
+                sh = r["share"]
+                out.append(f"| {cfg} | {r['batch']} | {r['step_ms']:.1f} | " + " | ".join(
+                    f"{100 * sh[k]:.0f}%" for k in ("linear", "attention", "model other", "sampling", "engine"))
+                    + f" | {fmt(r['load_avg'][1], 1)} |")
+        out.append("")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -226,6 +274,7 @@ def main() -> None:
                                  load(os.path.join(ns.results, "serve_vs_peers.json")))
     lines += fidelity_section(fid)
     lines += validation_section(load(os.path.join(ns.results, "sim_validation.json")))
+    lines += linear_section(load(os.path.join(ns.results, "linear.json")), load(os.path.join(ns.results, "step_profile.json")))
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")

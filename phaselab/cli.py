@@ -131,7 +131,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         else:
             cfg = engine.model_config
             print(
-                f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}) in "
+                f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}"
+                + (f"; {engine.linear.summary()}" if getattr(engine, "linear", None) else "") + ") in "
                 f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
                 file=sys.stderr, flush=True,
             )
