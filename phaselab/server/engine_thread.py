@@ -94,6 +94,7 @@ class EngineThread:
 
     def __init__(self, make_engine: Callable[[], Any]) -> None:
         self._make_engine = make_engine
+        self.model_name: str | None = None  # the served name: labels the vLLM-named metrics
         self.engine: Any = None  # set once loaded; only the engine thread may call into it
         self.status = LOADING
         self.error: str | None = None
@@ -144,8 +145,10 @@ class EngineThread:
         if self.status != READY:
             raise EngineUnavailable(self.error or f"the engine is {self.status}")
 
-    async def add(self, requests: list[NewRequest], arrived_ns: int, tokenized_ns: int) -> asyncio.Queue[Delta]:
+    async def add(self, requests: list[NewRequest], arrived_ns: int, tokenized_ns: int,
+                  on_submitted: Callable[[], None] | None = None) -> asyncio.Queue[Delta]:
         """Add engine requests (all or none); their Deltas arrive on the returned queue.
+        `on_submitted` runs as soon as they count in `num_waiting` (before the engine took them).
 
         Raises InvalidRequestError (the engine refused them) or EngineUnavailable.
         """
@@ -154,6 +157,8 @@ class EngineThread:
         q: asyncio.Queue[Delta] = asyncio.Queue()
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._num_pending_adds += len(requests)
+        if on_submitted is not None:
+            on_submitted()
         self._commands.put(("add", requests, arrived_ns, tokenized_ns, q, fut))
         try:
             await fut
@@ -228,6 +233,8 @@ class EngineThread:
             engine = self._make_engine()
             engine.stamp_sent = False  # the server stamps token_sent_ns at the socket
             self._metrics = engine.metrics
+            if self.model_name is not None and hasattr(engine.metrics, "enable_vllm_names"):
+                engine.metrics.enable_vllm_names(self.model_name)  # vLLM dashboards work unchanged
             self.engine = engine
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
             logger.exception("the engine failed to load")
