@@ -1,0 +1,175 @@
+"""Two simulated hosts on this machine: network namespaces joined by a veth pair, optionally
+shaped with `tc` (tbf at a rate, netem delay). Needs root and iproute2 (`ip`, `tc`).
+
+    with NetnsPair(rate="100mbit", delay_ms=1) as net:     # 10.<k>.0.1 <-veth-> 10.<k>.0.2
+        head = net.popen("a", ["ray", "start", "--head", "--node-ip-address", net.addr["a"], ...])
+        net.run("b", ["ping", "-c1", net.addr["a"]])
+    # every process started with popen is killed, the namespaces (and so the veth) deleted,
+    # in every outcome: normal exit, exception, or interpreter exit (atexit)
+
+Names are unique per process and pair (`pl<pid>x<n>a`), so concurrent test runs do not collide,
+and traffic stays inside the namespaces this creates. `require_netns()` raises NetnsUnavailable
+saying exactly what is missing; tests turn it into a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import shutil
+import signal
+import subprocess
+import time
+from typing import Any
+
+_counter = itertools.count()
+_live: list[NetnsPair] = []
+
+
+class NetnsUnavailable(RuntimeError):
+    pass
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def require_netns() -> None:
+    """Raise NetnsUnavailable (with what to do) unless namespaces and veth pairs can be made here."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise NetnsUnavailable(f"{' and '.join(missing)} not found: install iproute2 "
+                               "(Debian: apt-get install -y iproute2); the multi-host tests need it")
+    if os.geteuid() != 0:
+        raise NetnsUnavailable("network namespaces need root (CAP_NET_ADMIN); run the multi-host tests as root")
+    probe = f"plprobe{os.getpid()}"
+    r = _ip("netns", "add", probe, check=False)
+    if r.returncode != 0:
+        raise NetnsUnavailable(f"`ip netns add` failed: {r.stderr.strip()}; this machine (container?) does not "
+                               "allow network namespaces: grant CAP_NET_ADMIN / CAP_SYS_ADMIN")
+    _ip("netns", "del", probe, check=False)
+
+
+class NetnsPair:
+    """Namespaces `a` and `b`, a veth between them, addresses addr["a"] / addr["b"]."""
+
+    def __init__(self, rate: str | None = None, delay_ms: float | None = None, burst: str | None = None) -> None:
+        n = next(_counter)
+        tag = f"pl{os.getpid() % 100000}x{n}"
+        self.ns = {"a": tag + "a", "b": tag + "b"}
+        self.dev = {"a": tag + "va", "b": tag + "vb"}  # <= 15 characters
+        subnet = 10 + (os.getpid() * 7 + n) % 200
+        self.addr = {"a": f"10.{subnet}.{n % 250}.1", "b": f"10.{subnet}.{n % 250}.2"}
+        self.rate, self.delay_ms, self.burst = rate, delay_ms, burst
+        self.procs: list[subprocess.Popen[Any]] = []
+        self._up = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def __enter__(self) -> NetnsPair:
+        require_netns()
+        _live.append(self)
+        try:
+            for side in ("a", "b"):
+                _ip("netns", "add", self.ns[side])
+            self._up = True
+            _ip("link", "add", self.dev["a"], "type", "veth", "peer", "name", self.dev["b"])
+            for side in ("a", "b"):
+                _ip("link", "set", self.dev[side], "netns", self.ns[side])
+                self.run(side, ["ip", "addr", "add", self.addr[side] + "/24", "dev", self.dev[side]])
+                self.run(side, ["ip", "link", "set", self.dev[side], "up"])
+                self.run(side, ["ip", "link", "set", "lo", "up"])
+            if self.rate or self.delay_ms:
+                self.shape(self.rate, self.delay_ms, self.burst)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self.procs.clear()
+        if self._up:
+            for side in ("a", "b"):
+                self.kill_namespace_processes(side)
+                _ip("netns", "del", self.ns[side], check=False)  # deletes the veth end inside it too
+            self._up = False
+        if self in _live:
+            _live.remove(self)
+
+    # -- shaping ---------------------------------------------------------------------------------------
+    def shape(self, rate: str | None, delay_ms: float | None = None, burst: str | None = None) -> None:
+        """Egress of both ends: netem delay (if any) with a tbf rate limit under it. Replaces any
+        previous shaping. The burst must hold a GSO segment (64 KiB) or tbf drops it."""
+        for side in ("a", "b"):
+            dev = self.dev[side]
+            self.run(side, ["tc", "qdisc", "del", "dev", dev, "root"], check=False)
+            tbf = ["tbf", "rate", rate, "burst", burst or "256kb", "latency", "200ms"] if rate else None
+            if delay_ms:
+                self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                                f"{delay_ms}ms", "limit", "100000"])
+                if tbf:
+                    self.run(side, ["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
+            elif tbf:
+                self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
+        self.rate, self.delay_ms = rate, delay_ms
+
+    def qdisc(self, side: str = "a") -> str:
+        return self.run(side, ["tc", "-s", "qdisc", "show", "dev", self.dev[side]]).stdout
+
+    # -- processes -------------------------------------------------------------------------------------
+    def run(self, side: str, cmd: list[str], check: bool = True, **kw: Any) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(["ip", "netns", "exec", self.ns[side], *cmd], capture_output=True, text=True, **kw)
+        if check and r.returncode != 0:
+            raise RuntimeError(f"in namespace {self.ns[side]}: {' '.join(cmd)} failed ({r.returncode}): "
+                               f"{r.stderr.strip() or r.stdout.strip()}")
+        return r
+
+    def popen(self, side: str, cmd: list[str], **kw: Any) -> subprocess.Popen[Any]:
+        """A process in the namespace, in its own process group (killed with the pair)."""
+        p = subprocess.Popen(["ip", "netns", "exec", self.ns[side], *cmd], start_new_session=True, **kw)
+        self.procs.append(p)
+        return p
+
+    def pids(self, side: str) -> list[int]:
+        r = _ip("netns", "pids", self.ns[side], check=False)
+        return [int(x) for x in r.stdout.split()]
+
+    def kill_namespace_processes(self, side: str, sig: int = signal.SIGKILL) -> int:
+        """Every process living in the namespace (the 'host' dies); returns how many were signalled."""
+        pids = self.pids(side)
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        return len(pids)
+
+    def wait_tcp(self, side: str, host: str, port: int, timeout_s: float = 60.0) -> None:
+        """Block until `host:port` accepts a TCP connection from inside namespace `side`."""
+        deadline = time.monotonic() + timeout_s
+        probe = f"import socket; socket.create_connection(('{host}', {port}), 2).close()"
+        while time.monotonic() < deadline:
+            if self.run(side, ["python3", "-c", probe], check=False).returncode == 0:
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"{host}:{port} did not accept connections from {self.ns[side]} within {timeout_s} s")
+
+
+@atexit.register
+def _cleanup() -> None:
+    for pair in list(_live):
+        pair.close()
