@@ -509,7 +509,7 @@ async def shutdown_engine(state: ServerState) -> None:
 
 
 def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> int:
+               log_level: str = "info", disagg_config: Any = None) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return the exit code (0 after a clean drain)."""
     import uvicorn
 
@@ -518,7 +518,7 @@ def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", 
     def build_engine() -> Any:
         # without --record nothing reads the kept records, and a long-running server would
         # accumulate every iteration and request forever: observe them into Prometheus and drop them
-        return make_engine(engine_args, keep_records=config.record_dir is not None)
+        return make_engine(engine_args, keep_records=config.record_dir is not None, disagg_config=disagg_config)
 
     state = ServerState(config, EngineThread(build_engine))
     app = create_app(state)
