@@ -54,13 +54,19 @@ def require_netns() -> None:
 class NetnsPair:
     """Namespaces `a` and `b`, a veth between them, addresses addr["a"] / addr["b"]."""
 
-    def __init__(self, rate: str | None = None, delay_ms: float | None = None, burst: str | None = None) -> None:
+    def __init__(self, rate: str | None = None, delay_ms: float | None = None, burst: str | None = None,
+                 control: bool = False) -> None:
+        """control: also a veth from this (the root) namespace to `a`, unshaped, so the test
+        process reaches a server in `a` at addr["control_a"] (addr["control_root"] is this side)."""
         n = next(_counter)
         tag = f"pl{os.getpid() % 100000}x{n}"
         self.ns = {"a": tag + "a", "b": tag + "b"}
-        self.dev = {"a": tag + "va", "b": tag + "vb"}  # <= 15 characters
+        self.dev = {"a": tag + "va", "b": tag + "vb", "control_root": tag + "cr", "control_a": tag + "ca"}
         subnet = 10 + (os.getpid() * 7 + n) % 200
-        self.addr = {"a": f"10.{subnet}.{n % 250}.1", "b": f"10.{subnet}.{n % 250}.2"}
+        third = (2 * n) % 250
+        self.addr = {"a": f"10.{subnet}.{third}.1", "b": f"10.{subnet}.{third}.2",
+                     "control_root": f"10.{subnet}.{third + 1}.1", "control_a": f"10.{subnet}.{third + 1}.2"}
+        self.control = control
         self.rate, self.delay_ms, self.burst = rate, delay_ms, burst
         self.procs: list[subprocess.Popen[Any]] = []
         self._up = False
@@ -79,6 +85,13 @@ class NetnsPair:
                 self.run(side, ["ip", "addr", "add", self.addr[side] + "/24", "dev", self.dev[side]])
                 self.run(side, ["ip", "link", "set", self.dev[side], "up"])
                 self.run(side, ["ip", "link", "set", "lo", "up"])
+            if self.control:
+                _ip("link", "add", self.dev["control_root"], "type", "veth", "peer", "name", self.dev["control_a"])
+                _ip("link", "set", self.dev["control_a"], "netns", self.ns["a"])
+                _ip("addr", "add", self.addr["control_root"] + "/24", "dev", self.dev["control_root"])
+                _ip("link", "set", self.dev["control_root"], "up")
+                self.run("a", ["ip", "addr", "add", self.addr["control_a"] + "/24", "dev", self.dev["control_a"]])
+                self.run("a", ["ip", "link", "set", self.dev["control_a"], "up"])
             if self.rate or self.delay_ms:
                 self.shape(self.rate, self.delay_ms, self.burst)
         except BaseException:
@@ -106,6 +119,7 @@ class NetnsPair:
             for side in ("a", "b"):
                 self.kill_namespace_processes(side)
                 _ip("netns", "del", self.ns[side], check=False)  # deletes the veth end inside it too
+            _ip("link", "del", self.dev["control_root"], check=False)  # gone with its peer already, if any
             self._up = False
         if self in _live:
             _live.remove(self)
@@ -126,6 +140,11 @@ class NetnsPair:
             elif tbf:
                 self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", *tbf])
         self.rate, self.delay_ms = rate, delay_ms
+
+    def tx_bytes(self, side: str) -> int:
+        """Bytes sent so far by `side`'s end of the veth (an independent count of what crossed)."""
+        out = self.run(side, ["cat", f"/sys/class/net/{self.dev[side]}/statistics/tx_bytes"]).stdout
+        return int(out.strip())
 
     def qdisc(self, side: str = "a") -> str:
         return self.run(side, ["tc", "-s", "qdisc", "show", "dev", self.dev[side]]).stdout
@@ -173,3 +192,46 @@ class NetnsPair:
 def _cleanup() -> None:
     for pair in list(_live):
         pair.close()
+
+
+class RayHosts:
+    """A Ray head in namespace `a` (resource prefill_host) and a worker node in `b` (decode_host),
+    joined over the veth with a per-run auth token; each node keeps its files in its own temp dir
+    (never /tmp/ray, where other Ray instances of this machine live). Stopped by killing the
+    processes in the namespaces (`ray stop` would stop every Ray on the machine)."""
+
+    PORT = 6390
+
+    def __init__(self, net: NetnsPair, num_cpus: int = 2, object_store_bytes: int = 256 * 2**20) -> None:
+        import secrets
+        import tempfile
+
+        self.net = net
+        self.address = f"{net.addr['a']}:{self.PORT}"
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                    "RAY_USAGE_STATS_ENABLED": "0"}
+        self.temp_dir = tempfile.mkdtemp(prefix="plray")
+        self.num_cpus, self.object_store_bytes = num_cpus, object_store_bytes
+
+    def start(self, timeout_s: float = 300.0) -> RayHosts:
+        net = self.net
+        common = ["--num-cpus", str(self.num_cpus), "--object-store-memory", str(self.object_store_bytes),
+                  "--disable-usage-stats"]
+        head = net.run("a", ["ray", "start", "--head", "--node-ip-address", net.addr["a"], "--port", str(self.PORT),
+                             "--resources", '{"prefill_host": 100}', "--include-dashboard=false",
+                             "--temp-dir", os.path.join(self.temp_dir, "a"), *common],
+                       check=False, env=self.env, timeout=timeout_s)
+        if head.returncode != 0:
+            raise RuntimeError(f"the Ray head did not start in {net.ns['a']}:\n{head.stdout[-2000:]}{head.stderr[-3000:]}")
+        worker = net.run("b", ["ray", "start", "--address", self.address, "--node-ip-address", net.addr["b"],
+                               "--resources", '{"decode_host": 100}', *common],
+                         check=False, env=self.env, timeout=timeout_s)
+        if worker.returncode != 0:
+            raise RuntimeError(f"the Ray worker node did not join from {net.ns['b']}:\n{worker.stdout[-2000:]}"
+                               f"{worker.stderr[-3000:]}")
+        return self
+
+    def stop(self) -> None:
+        for side in ("b", "a"):
+            self.net.kill_namespace_processes(side)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)

@@ -248,8 +248,8 @@ def test_invalid_requests_are_400(server):
     err = assert_openai_error(httpx.post(url + "/v1/completions", content=b"{not json",
                                          headers={"content-type": "application/json"}), 400)
     assert err["type"] == "invalid_request_error"
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        body = {"model": "gpt-4", "prompt": PROMPT, "messages": CHAT}
+    for path, body in (("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}),
+                       ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT})):
         err = assert_openai_error(httpx.post(url + path, json=body), 404, "model")
         assert err["code"] == "model_not_found"
     assert_openai_error(httpx.get(url + "/v1/nothing-here"), 404)

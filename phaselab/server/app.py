@@ -108,6 +108,9 @@ class ServerState:
         if status != "ready":
             raise unavailable(self.engine.error or f"the engine is {status}", code="engine_unavailable",
                               retry_after_s=None)
+        if self.engine.unavailable is not None:  # disagg: a role has no live worker; refuse before any prefill
+            raise unavailable(f"{self.engine.unavailable}; retry later or restart the server",
+                              code="no_live_worker", retry_after_s=self.config.retry_after_s)
         limit = self.config.max_queued_requests
         waiting = self.engine.num_waiting + self.num_reserved
         if waiting >= limit:
@@ -295,12 +298,16 @@ def create_app(state: ServerState) -> FastAPI:
         status = state.engine.status
         if state.draining:
             status = "draining"
+        if status == "ready" and state.engine.unavailable is not None:
+            status = "degraded"
         ok = status == "ready"
         body: dict[str, Any] = {"status": "ok" if ok else status, "num_running": state.engine.num_running,
                                 "num_waiting": state.engine.num_waiting,
                                 "records": state.engine.records}  # what the phase recorder holds
         if state.engine.error and status in (DEAD, FAILED):
             body["error"] = state.engine.error
+        if status == "degraded":
+            body["reason"] = state.engine.unavailable
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/version")
