@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: routes, the edge middleware, lifecycle and shutdown.
 
-    request ─▶ _Edge (arrival stamp, API key, body size) ─▶ route
-       generation routes: admission (loading / draining / dead / queue full -> 503) BEFORE the body
-       is tokenized ─▶ serving.py (parse, tokenize, fan out) ─▶ EngineThread ─▶ GenerationResponse
+    request ─▶ _Edge (arrival stamp, API key, body size; any escaped exception -> 500, connection kept)
+       generation routes: admission AT ARRIVAL, before the body is read (loading / draining / dead /
+       a disaggregated role without workers / queue full -> 503); the admitted request holds a queue
+       slot until the engine thread counts it ─▶ route ─▶ serving.py (parse strictly, tokenize,
+       fan out) ─▶ EngineThread ─▶ GenerationResponse
 
     SIGTERM / SIGINT ─▶ draining: generation routes and /health answer 503
        ─▶ wait until every in-flight response is done, at most --drain-timeout seconds
