@@ -133,8 +133,12 @@ class NetnsPair:
             self.run(side, ["tc", "qdisc", "del", "dev", dev, "root"], check=False)
             tbf = ["tbf", "rate", rate, "burst", burst or "256kb", "latency", "200ms"] if rate else None
             if delay_ms:
-                self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                                f"{delay_ms}ms", "limit", "100000"])
+                r = self.run(side, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                                    f"{delay_ms}ms", "limit", "100000"], check=False)
+                if r.returncode != 0:
+                    raise NetnsUnavailable(f"tc netem failed ({r.stderr.strip()}): this kernel lacks the netem "
+                                           "qdisc (CONFIG_NET_SCH_NETEM / module sch_netem), so a delay cannot be "
+                                           "added here; rate shaping (tbf) works without it")
                 if tbf:
                     self.run(side, ["tc", "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", *tbf])
             elif tbf:
