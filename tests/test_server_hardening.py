@@ -242,7 +242,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(tiny, tmp_path):
            "run", tiny.url + "/openapi.json", "--checks", checks, "--mode", "all", "--max-examples", "25",
            "--seed", "19", "--no-shrink", "--request-timeout", "60", "--report", "junit",
            "--report-dir", str(tmp_path)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)  # its cache goes there
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "failure" not in r.stdout.split("SUMMARY")[-1], r.stdout[-3000:]
 
