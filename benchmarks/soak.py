@@ -37,7 +37,7 @@ import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tests._server_helpers import ServerProcess, metric  # noqa: E402
+from tests._server_helpers import ServerProcess  # noqa: E402
 
 PROMPTS = ["The three primary colors are", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain why the sky is blue in one sentence.", "Once upon a time"]
@@ -46,6 +46,7 @@ PROMPTS = ["The three primary colors are", "Write a haiku about the sea.", "List
 def resources(server: ServerProcess) -> dict[str, float]:
     """RSS (MiB) and open fds of the server and its children (Ray workers), KV blocks in use."""
     rss = fds = 0
+    by_process: dict[str, float] = {}
     try:
         root = psutil.Process(server.proc.pid)
         procs = [root, *root.children(recursive=True)]
@@ -53,8 +54,11 @@ def resources(server: ServerProcess) -> dict[str, float]:
         procs = []
     for p in procs:
         try:
-            rss += p.memory_info().rss
+            mem = p.memory_info().rss
+            rss += mem
             fds += p.num_fds()
+            name = " ".join(p.cmdline()[:3])[-60:] or p.name()
+            by_process[f"{p.pid} {name}"] = round(mem / 2**20, 1)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     text = httpx.get(server.url + "/metrics", timeout=60).text
@@ -63,7 +67,7 @@ def resources(server: ServerProcess) -> dict[str, float]:
     blocks = sum(s.value for f in text_string_to_metric_families(text) if f.name == "phaselab_kv_cache_blocks_used"
                  for s in f.samples if s.labels.get("worker") != "router")
     return {"rss_mib": rss / 2**20, "fds": fds, "kv_blocks_used": blocks, "processes": len(procs),
-            "running": metric(text, "phaselab_num_requests_running", worker="engine-0")}
+            "rss_mib_by_process": by_process}
 
 
 def invalid_bodies(model: str) -> list[tuple[str, bytes]]:
@@ -166,7 +170,10 @@ def soak_mode(mode: str, ns: argparse.Namespace) -> dict[str, Any]:
     }
     row = {"mode": mode, "minutes": ns.minutes, "elapsed_s": elapsed, "requests": sum(counts.values()),
            "counts": counts, "baseline": baseline, "end_of_load": peak_during, "after_settle": after,
-           "rss_growth_mib": after["rss_mib"] - baseline["rss_mib"], "checks": checks, "ok": all(checks.values()),
+           "rss_growth_mib": after["rss_mib"] - baseline["rss_mib"],
+           "rss_growth_mib_by_process": {k: round(v - baseline["rss_mib_by_process"].get(k, 0.0), 1)
+                                         for k, v in after["rss_mib_by_process"].items()},
+           "checks": checks, "ok": all(checks.values()),
            "tracebacks_in_log": log.count("Traceback")}
     print(f"[{mode}] {json.dumps({k: row[k] for k in ('requests', 'rss_growth_mib', 'checks')})}",
           file=sys.stderr, flush=True)
