@@ -8,6 +8,7 @@ process shares the cores (one decode step: 2.4 s spinning vs 0.14 s PASSIVE, mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
