@@ -83,9 +83,14 @@ def test_serve_disagg_options_reach_the_engine(tmp_path):
         server.wait_ready(400)
         body = {"model": "tiny", "prompt": PROMPT[:8], "max_tokens": 2, "temperature": 0}
         assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
-        text = httpx.get(server.url + "/metrics", timeout=30).text
-        workers = {s.split('worker="')[1].split('"')[0] for s in text.splitlines()
-                   if s.startswith("phaselab_worker_busy_ratio{")}
+        deadline = time.monotonic() + 30  # each worker's text reaches /metrics within a refresh (about 1 s)
+        while True:
+            text = httpx.get(server.url + "/metrics", timeout=30).text
+            workers = {s.split('worker="')[1].split('"')[0] for s in text.splitlines()
+                       if s.startswith("phaselab_worker_busy_ratio{")}
+            if workers == {"prefill-0", "decode-0", "decode-1"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert workers == {"prefill-0", "decode-0", "decode-1"}, workers
         flushed = httpx.post(server.url + "/record/flush", timeout=60).json()
         import json
