@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -310,14 +311,26 @@ def test_diagnose_cli_on_a_run_directory(tmp_path) -> None:
     assert main(["diagnose", str(tmp_path / "nothing-here")]) == 2
 
 
-def test_roofline_file_is_used_when_given(tmp_path) -> None:
+def test_roofline_file_is_used_when_given(tmp_path, monkeypatch) -> None:
     f = tmp_path / "roofline.json"
     f.write_text(json.dumps({"bandwidth": {"read_bytes_per_s": 12.5e9},
                              "bfloat16": {"gemm_flops_per_s": {"layer_mix": {"512": 3e11}}}}))
     d = diagnose(stall_run(), roofline=str(f))
     assert d.ceilings.bandwidth_bytes_per_s == 12.5e9 and d.ceilings.measured
     assert any("measured" in n for n in d.notes)
-    assert not diagnose(stall_run(), roofline=None).ceilings.measured or True  # default: whatever is installed
+    # without a path: $PHASELAB_ROOFLINE first, then ./benchmarks/results, then the source checkout's
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PHASELAB_ROOFLINE", str(f))
+    d = diagnose(stall_run(), roofline=None)
+    assert (d.ceilings.source, d.ceilings.gemm_flops_per_s) == (str(f), 3e11)
+    monkeypatch.delenv("PHASELAB_ROOFLINE")
+    from phaselab.analysis import machine
+    checkout = Path(machine.__file__).resolve().parents[2] / machine.ROOFLINE_RELATIVE
+    d = diagnose(stall_run(), roofline=None)
+    assert d.ceilings.measured == checkout.is_file()
+    assert d.ceilings.source == (str(checkout) if checkout.is_file() else "assumed default")
+    with pytest.raises(FileNotFoundError, match="benchmarks/roofline.py"):
+        diagnose(stall_run(), roofline=str(tmp_path / "missing.json"))
 
 
 # -- a client run against another server, with vLLM's metric names ----------------------------------------------
