@@ -21,7 +21,7 @@ TITLES = {
     "prefill": "first token slow: prefill compute",
     "transfer": "disaggregated servers spend time moving KV state",
     "stall": "a new prompt pauses the other streams",
-    "preemption": "KV capacity: preempted requests recompute",
+    "kv-capacity": "KV capacity: requests wait for blocks, are preempted and recompute",
     "decode-kv": "later tokens slow down as the history grows (KV reads)",
     "decode-step": "later tokens: the per-step cost (weights read every step)",
     "decode": "later tokens: decode time (not split: no iteration records)",
@@ -70,7 +70,7 @@ def _policy(config: dict[str, Any]) -> tuple[str | None, int | None]:
 
 def rank_findings(d: Diagnosis) -> list[Finding]:
     builders = {"queue": _queue_finding, "prefill": _prefill_finding, "transfer": _transfer_finding,
-                "stall": _stall_finding, "preemption": _preemption_finding, "decode-kv": _decode_kv_finding,
+                "stall": _stall_finding, "kv-capacity": _kv_capacity_finding, "decode-kv": _decode_kv_finding,
                 "decode-step": _decode_step_finding, "decode": _decode_finding, "overhead": _overhead_finding}
     out = []
     shares = d.account.shares
@@ -267,16 +267,24 @@ def _stall_finding(d: Diagnosis) -> Finding:
     return _f("stall", KeyFigure("longest stall", st.max_stall_s, "s"), verdict, ev, change, check)
 
 
-def _preemption_finding(d: Diagnosis) -> Finding:
-    gaps = [g for g in d.account.gaps if g.cause == "preemption"]
-    ev = [f"{len(gaps)} gaps include the request's own recomputation after a preemption; "
-          f"{fmt.s(sum(g.excess_s for g in gaps))} in all"]
+def _kv_capacity_finding(d: Diagnosis) -> Finding:
+    acc = d.account
+    kinds = acc.kv_seconds()
+    n = acc.num_preemptions
+    victims = sum(1 for r in acc.requests if r.kv.num_preemptions)
+    ev = [f"{n} preemptions (the scheduler's own events) of {victims} requests",
+          f"recompute compute {fmt.s(kinds['recompute'])}, readmission wait {fmt.s(kinds['readmission'])}, "
+          f"first admission waiting for free blocks {fmt.s(kinds['block_wait'])}"]
     if d.queue and d.queue.max_kv_usage is not None:
         ev.append(f"peak KV usage {fmt.pct(d.queue.max_kv_usage)}")
-    change = "KV capacity runs out mid-decode: raise --kv-cache-memory, or lower --max-num-seqs / max_model_len"
-    check = "no preemptions (phaselab_num_preemptions_total stays 0)"
-    return _f("preemption", KeyFigure("recompute time", sum(g.excess_s for g in gaps), "s"),
-              "preempted requests lose time recomputing their KV", ev, change, check)
+    sched = d.config.get("scheduler") or {}
+    change = ("the KV cache is too small for the load: raise --kv-cache-memory; or lower --max-num-seqs "
+              f"(now {sched.get('max_num_seqs')}) / max_model_len so fewer sequences hold blocks at once — "
+              "not more concurrency, which makes the shortage worse")
+    check = f"preemptions 0 (now {n}) and KV-capacity time near 0 (now {fmt.s(acc.totals['kv-capacity'])})"
+    verdict = (f"the KV cache ran out: {n} preemptions, and {fmt.s(acc.totals['kv-capacity'])} of the users' time "
+               "went to waiting for blocks and rebuilding lost KV")
+    return _f("kv-capacity", KeyFigure("preemptions", float(n), "events"), verdict, ev, change, check)
 
 
 def _decode_evidence(d: Diagnosis) -> list[str]:
