@@ -41,7 +41,8 @@ def _engine(checkpoint, **kw):
     from phaselab.config import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
-    return LLMEngine(EngineArgs(dtype="bfloat16", kv_cache_memory="256MiB", max_model_len=2048, **kw),
+    kw = {"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}
+    return LLMEngine(EngineArgs(dtype="bfloat16", **kw),
                      checkpoint=checkpoint)
 
 
@@ -201,3 +202,29 @@ def test_ttft_shares_of_a_real_run_sum_to_100_and_match_the_record(checkpoint, t
         assert parts == pytest.approx(raw[rid]["ttft_components_s"])  # as the phase record wrote them
     for a in d.account.requests:
         assert sum(a.parts.values()) == pytest.approx(a.e2e_s, abs=1e-9)
+
+
+def test_kv_capacity_with_preemption(checkpoint, tmp_path):
+    """A cache of 4 MiB (11 blocks of 16 tokens) for 10 requests that grow to 6 blocks each: the
+    scheduler preempts
+    and admissions wait for blocks. Truth: its own preemption counter, and the recompute iterations read from
+    the raw iteration records."""
+    rng = np.random.default_rng(3)
+    arrivals = [Arrival(f"k{i}", random_prompt(rng, 48), 48, at_s=0.0) for i in range(10)]
+    engine = _engine(checkpoint, kv_cache_memory="4MiB", max_num_seqs=10, max_model_len=112)
+    d, _ = _run(engine, arrivals, tmp_path / "kv")
+    truth = engine.scheduler.num_preemptions_total
+    assert truth > 0, "the workload no longer preempts: shrink the cache"
+    assert d.top is not None and d.top.cause == "kv-capacity", d.account.shares
+    print(f"preemptions: diagnosis {d.top.key.value:g}, scheduler {truth}" + _shares(d))
+    assert d.top.key.value == truth
+    # recompute = the iterations that prefilled a request after it had sampled a token
+    reqs = {r["request_id"]: r for r in _raw(tmp_path / "kv", "requests.jsonl")}
+    recompute = 0.0
+    for it in _raw(tmp_path / "kv", "iterations.jsonl"):
+        for c in it["chunks"]:
+            first = reqs[c["request_id"]]["first_token_sampled_ns"]
+            if c["is_prefill"] and first is not None and it["start_ns"] > first:
+                recompute += (it["end_ns"] - it["start_ns"]) / 1e9
+    assert d.account.kv_seconds()["recompute"] == pytest.approx(recompute, rel=REL)
+    assert "--kv-cache-memory" in d.top.change

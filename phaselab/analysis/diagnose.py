@@ -14,7 +14,7 @@ Works through the symptom table of DESIGN.md section 1, row by row, on a run dir
                                                 admission waits, busy fraction of each pool
 
 **Ranking.** Every request's end-to-end time is cut into causes that sum to it exactly
-(`analysis/accounting.py`): queue, prefill, transfer, stall, preemption, decode-kv, decode-step,
+(`analysis/accounting.py`): queue, prefill, transfer, stall, kv-capacity, decode-kv, decode-step,
 overhead. A cause's score is its share of the run's summed E2E: the share of all the time users
 spent waiting that it explains. Causes are ranked by that share; each finding carries its key
 figure, the evidence, the change it suggests and the number that would show the change worked.
