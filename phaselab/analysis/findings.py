@@ -100,6 +100,9 @@ def _queue_finding(d: Diagnosis) -> Finding:
     if q.arrival_rate is not None and q.service_rate is not None:
         ev.append(f"arrivals {q.arrival_rate:.2f} req/s vs completions {q.service_rate:.2f} req/s while busy "
                   f"(load {q.arrival_rate / q.service_rate:.2f}x capacity)")
+    elif q.burst is not None:
+        ev.append(f"a burst: {q.burst[0]} requests arrived within {fmt.s(q.burst[1])} (no sustained arrival rate)"
+                  + (f"; completions {q.service_rate:.2f} req/s while busy" if q.service_rate is not None else ""))
     elif q.service_rate is not None:
         ev.append(f"all requests arrived together; completions {q.service_rate:.2f} req/s while busy")
     if q.growth is not None:
@@ -138,12 +141,19 @@ def _prefill_finding(d: Diagnosis) -> Finding:
     if p.fit is not None:
         what = "client TTFT against input length" if d.source == "client" else \
             "prefill time against uncached input length"
-        ev.append(f"{what}: {p.fit.slope * 1e3:.3f} ms/token, intercept "
-                  f"{p.fit.intercept * 1e3:.1f} ms, R^2 {p.fit.r2:.2f} over {p.fit.n} requests")
+        if not p.fit.slope_significant:
+            ev.append(f"{what}: no measurable slope over {p.fit.n} requests "
+                      f"({p.fit.slope_text(1e3, 'ms/token')}: the inputs' lengths do not spread enough)")
+        else:
+            icpt = (f"intercept {p.fit.intercept * 1e3:.1f} +- {p.fit.intercept_ci * 1e3:.1f} ms"
+                    if p.fit.intercept_plausible else "intercept below 0 (an extrapolation far outside the "
+                    "measured lengths; not meaningful)")
+            ev.append(f"{what}: {p.fit.slope_text(1e3, 'ms/token')}, {icpt}, R^2 {p.fit.r2:.2f} "
+                      f"over {p.fit.n} requests")
     if p.bend_ratio is not None:
         ev.append(f"at the longest inputs prefill takes {p.bend_ratio:.2f}x the line through the shorter half"
                   + (" — it bends upward (attention grows with the square of the length)" if p.bends_upward
-                     else " — no upward bend"))
+                     else " — within the noise: no bend claimed" if p.bend_ratio > 1.15 else " — no upward bend"))
     if p.tokens_per_s:
         gemm = d.ceilings.gemm_flops_per_s
         ev.append(f"prefill-only iterations: {p.tokens_per_s:.0f} tokens/s; MODELED "
@@ -166,7 +176,7 @@ def _prefill_finding(d: Diagnosis) -> Finding:
                   "device); chunking does not shorten it")
         if p.bends_upward:
             change += "; long inputs cost more than linearly: cap or split the longest prompts"
-    slope = p.fit.slope * 1e3 if p.fit else None
+    slope = p.fit.slope * 1e3 if p.fit and p.fit.slope_significant and p.fit.slope > 0 else None
     check = (f"TTFT p50 below {fmt.s((d.summary.ttft_p50_s or 0) * 0.7)} (now {fmt.s(d.summary.ttft_p50_s)})"
              + (f" or the prefill slope below {slope * 0.7:.3f} ms/token (now {slope:.3f})" if slope else ""))
     verdict = f"prefill compute is {fmt.pct(p.share_of_ttft)} of TTFT" + (
