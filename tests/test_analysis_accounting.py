@@ -258,12 +258,37 @@ def test_queue_bound_synthetic_run_is_growing() -> None:
 
 def test_decode_kv_synthetic_run() -> None:
     reqs = [Req(f"d{i}", 0, 600, 40) for i in range(24)]
-    run = SynthEngine(budget=16384, prefill_ms_per_token=0.05, decode_ms_per_kv_token=0.02).run_data(reqs)
+    engine = SynthEngine(budget=16384, prefill_ms_per_token=0.05, decode_ms_per_kv_token=0.02)
+    run = engine.run_data(reqs)
     d = diagnose(run)
     assert d.top is not None and d.top.cause == "decode-kv"
+    # truth: the time the engine model spent on K/V reads (its per-history-token cost), not bytes
     steps = [r for r in run.iterations if r.num_prefill_tokens == 0]
-    truth = sum(r.modeled.kv_read_bytes for r in steps) / sum(r.modeled.total_bytes for r in steps)
+    kv_ms = sum(engine.decode_ms_per_kv_token * sum(c.context_len for c in r.chunks) for r in steps)
+    truth = kv_ms * MS / 1e9 / sum(r.duration_s for r in steps)
     assert d.top.key.value == pytest.approx(truth, rel=0.15)
+    att = d.account.attribution["engine-0"]
+    assert att.per_kv_token_s == pytest.approx(engine.decode_ms_per_kv_token / 1e3, rel=0.05)
+    # the batch never changed: the per-sequence cost is folded into the per-step one
+    assert att.per_step_s == pytest.approx((engine.step_ms + 24 * engine.decode_ms_per_token) / 1e3, rel=0.05)
+
+
+def test_decode_attribution_separates_batch_and_history_and_says_when_it_cannot() -> None:
+    """Requests of different lengths and arrival times: batch and history vary independently, so
+    the fit recovers the engine model's three costs; a run with one fixed batch and history cannot
+    be split and says so."""
+    reqs = [Req(f"v{i}", i * 150, 100 + 300 * (i % 5), 10 + 9 * (i % 4)) for i in range(30)]
+    engine = SynthEngine(budget=16384, prefill_ms_per_token=0.05, decode_ms_per_kv_token=0.004)
+    d = diagnose(engine.run_data(reqs))
+    att = d.account.attribution["engine-0"]
+    assert att.separable, att.reason
+    assert att.per_step_s == pytest.approx(engine.step_ms / 1e3, rel=0.05)
+    assert att.per_seq_s == pytest.approx(engine.decode_ms_per_token / 1e3, rel=0.05)
+    assert att.per_kv_token_s == pytest.approx(engine.decode_ms_per_kv_token / 1e3, rel=0.05)
+    flat = SynthEngine(decode_ms_per_kv_token=0.004).run_data([Req("one", 0, 8, 4)])
+    d = diagnose(flat)
+    assert not d.account.decode_split and d.account.totals["decode-kv"] == 0 and d.account.totals["decode"] > 0
+    assert any("not separable" in e for f in d.findings for e in f.evidence)
 
 
 # -- TTFT shares ------------------------------------------------------------------------------------------------

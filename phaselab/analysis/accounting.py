@@ -18,11 +18,11 @@ cause. Each later gap is cut in this order:
    *clean* gaps: gaps whose iterations carried no other request's prefill and none of its own
    recomputation), when the gap's iterations carried another request's prefill tokens. The stall
    excess is capped by the durations of those prefill-carrying iterations.
-4. **decode-kv / decode-step**: the rest, split by the MODELED bytes of the iteration that
-   sampled the token: KV-cache reads / all bytes (weights, KV read, KV written) go to decode-kv,
-   the rest to decode-step. Under the memory-bound model of a decode step this is the time the
-   history costs versus the time the weights cost. Without iteration records (a client's run)
-   the rest stays unsplit in `decode`.
+4. **decode-kv / decode-step**: the rest, split by the MEASURED attribution of the sampling
+   iteration (analysis/attribution.py: the worker's decode steps fitted against batch and history):
+   the K/V reads' share to decode-kv, the weights and per-step overhead to decode-step. Where the
+   run lacks the spread to separate them, or without iteration records (a client's run), the rest
+   stays unsplit in `decode`.
 
 The iterations "in a gap" are those of the worker that sampled the token with ids in
 (iteration of the previous token, iteration of this token]: exact, because a worker's iteration
@@ -35,6 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from phaselab.analysis.attribution import DecodeAttribution, attribute_workers
 from phaselab.analysis.kvcapacity import KVLoss, Limits, overlap_ns, request_loss
 from phaselab.analysis.stats import median
 from phaselab.core.timing import IterationRecord, RequestMetrics
@@ -91,7 +92,8 @@ class RunAccount:
     requests: list[RequestAccount]
     totals: dict[str, float]  # cause -> seconds summed over requests
     total_s: float  # sum of E2E
-    decode_split: bool  # decode time split into decode-kv / decode-step (iteration records exist)
+    decode_split: bool  # decode time split into decode-kv / decode-step (a separable attribution)
+    attribution: dict[str, DecodeAttribution] = field(default_factory=dict)  # per worker
 
     @property
     def num_preemptions(self) -> int:
@@ -138,12 +140,6 @@ class IterationIndex:
 
     def __bool__(self) -> bool:
         return bool(self.by_key)
-
-
-def kv_fraction(rec: IterationRecord) -> float:
-    """MODELED share of an iteration's bytes that are KV-cache reads."""
-    total = rec.modeled.total_bytes
-    return rec.modeled.kv_read_bytes / total if total > 0 else 0.0
 
 
 def _sent(m: RequestMetrics) -> list[int]:
@@ -207,7 +203,8 @@ def _gap_views(m: RequestMetrics, index: IterationIndex) -> list[_GapView]:
 
 
 def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: dict[str, float],
-                    views: list[_GapView] | None = None, kv: KVLoss | None = None) -> RequestAccount:
+                    views: list[_GapView] | None = None, kv: KVLoss | None = None,
+                    attribution: dict[str, DecodeAttribution] | None = None) -> RequestAccount:
     parts = dict.fromkeys(CAUSES, 0.0)
     kv = kv or KVLoss()
     spans = kv.spans()
@@ -243,7 +240,6 @@ def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: d
     clean = [(v.end_ns - v.start_ns) / 1e9 for v in views if v.clean]
     own_median = median([(v.end_ns - v.start_ns - v.transfer_ns) / 1e9 for v in views if v.iters])
     gaps: list[Gap] = []
-    split = bool(index)
     for v in views:
         gap = (v.end_ns - v.start_ns) / 1e9
         transfer = v.transfer_ns / 1e9
@@ -265,10 +261,11 @@ def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: d
             gaps.append(Gap(m.request_id, v.worker, v.k, v.start_ns, v.end_ns, baseline, excess, "stall",
                             [r.iteration_id for r in v.other_prefill], culprits))
             rest -= excess
-        if not split:
+        att = (attribution or {}).get(v.worker)
+        if att is None or not att.separable:
             parts["decode"] += rest
         else:
-            f = kv_fraction(v.sampler) if v.sampler is not None else 0.0
+            f = att.kv_fraction(v.sampler) if v.sampler is not None else 0.0
             parts["decode-kv"] += rest * f
             parts["decode-step"] += rest * (1 - f)
     parts["overhead"] += max(0, end_ns - ts[-1]) / 1e9
@@ -287,16 +284,20 @@ def worker_baselines(views: Iterable[list[_GapView]]) -> dict[str, float]:
 
 
 def account_run(requests: list[RequestMetrics], iterations: list[IterationRecord],
-                config: dict[str, Any] | None = None) -> RunAccount:
+                config: dict[str, Any] | None = None, bandwidth: float | None = None) -> RunAccount:
+    """`bandwidth`: a measured memory bandwidth bounding the decode attribution from below."""
     index = IterationIndex(iterations)
     views = [_gap_views(m, index) for m in requests]
     baselines = worker_baselines(views)
     limits = Limits.from_config(config or {})
     by_worker = {w: [index.by_key[(w, i)] for i in ids] for w, ids in index.ids.items()}
     losses = [request_loss(m, by_worker.get(m.worker, []), limits) for m in requests]
-    accounts = [account_request(m, index, baselines, v, kv) for m, v, kv in zip(requests, views, losses)]
+    attribution = attribute_workers(iterations, bandwidth)
+    accounts = [account_request(m, index, baselines, v, kv, attribution)
+                for m, v, kv in zip(requests, views, losses)]
     totals = dict.fromkeys(CAUSES, 0.0)
     for a in accounts:
         for c, v in a.parts.items():
             totals[c] += v
-    return RunAccount(accounts, totals, sum(a.e2e_s for a in accounts), bool(index))
+    return RunAccount(accounts, totals, sum(a.e2e_s for a in accounts),
+                      any(a.separable for a in attribution.values()), attribution)

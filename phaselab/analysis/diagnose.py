@@ -116,7 +116,8 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
         return diagnose_client_run(run, path, ceilings or load_ceilings(roofline))
     ceilings = ceilings or simulated_ceilings(run.config) or load_ceilings(roofline, str(run.config.get("dtype")
                                                                                           or "bfloat16"))
-    account = account_run(run.requests, run.iterations, run.config)
+    account = account_run(run.requests, run.iterations, run.config,
+                          ceilings.bandwidth_bytes_per_s if ceilings.measured else None)
     ttft = ttft_breakdown(run.requests)
     queue = queue_analysis(run, ttft)
     prefill = prefill_analysis(run, ttft)

@@ -314,6 +314,20 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
                   f"{fmt.rate(bw)} ({d.ceilings.kind})"
                   + (" — a memory-bound signature" if frac > 0.5 else
                      " — well below the memory roof: per-step overheads and compute dominate"))
+    for w, att in sorted(d.account.attribution.items()):
+        who = f"{w}: " if len(d.account.attribution) > 1 else ""
+        if not att.separable:
+            ev.append(f"{who}decode time not separable into weights, K/V reads and overhead: {att.reason}")
+            continue
+        a_ci, b_ci, c_ci = att.ci
+        sh = att.shares or {}
+        ev.append(f"{who}MEASURED over {att.num_steps} decode steps: step = {att.per_step_s * 1e3:.2f} +- "
+                  f"{a_ci * 1e3:.2f} ms per step (weights {att.weights_s * 1e3:.2f} ms at "
+                  f"{'the measured bandwidth' if att.bounded else 'no measured bandwidth: not split off'}) + "
+                  f"{att.per_seq_s * 1e3:.3f} +- {b_ci * 1e3:.3f} ms per sequence + {att.per_kv_token_s * 1e6:.3f} +- "
+                  f"{c_ci * 1e6:.3f} ms per 1000 history tokens (R^2 {att.r2:.2f}, error {fmt.s(att.rmse_s)} per step); "
+                  f"shares of decode-step time: weights {fmt.pct(sh.get('weights'))}, K/V reads "
+                  f"{fmt.pct(sh.get('kv'))}, per-step and per-sequence overhead {fmt.pct(sh.get('overhead'))}")
     if x.fit is not None and x.fit.r2 >= FIT_R2:
         ev.append(f"step time = {x.fit.intercept * 1e3:.1f} ms + {x.fit.coefs[0] * 1e3:.2f} ms x batch + "
                   f"{x.fit.coefs[1] * 1e6:.2f} ms x (context / 1000 tokens) (R^2 {x.fit.r2:.2f})")
@@ -331,19 +345,26 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
     return ev
 
 
+def measured_kv_share(d: Diagnosis) -> float | None:
+    """Share of the users' decode time (split part) that the measured attribution gives K/V reads."""
+    t = d.account.totals
+    split = t["decode-kv"] + t["decode-step"]
+    return t["decode-kv"] / split if split > 0 else None
+
+
 def _decode_kv_finding(d: Diagnosis) -> Finding:
     x = d.decode
-    kv = x.kv_share if x else None
+    kv = measured_kv_share(d)
     max_seqs = (d.config.get("scheduler") or {}).get("max_num_seqs")
     change = (f"the history is what later tokens pay for: lower --max-num-seqs (now {max_seqs}) so each step reads "
               "less KV (fewer tokens per second in total), cap output lengths / max_model_len, or add decode capacity "
               "(another replica, or more decode workers in a disaggregated deployment)")
     step = x.step_p50_s if x else None
-    check = (f"decode step p50 below {fmt.s((step or 0) * 0.7)} (now {fmt.s(step)}) with the MODELED KV share of "
-             f"step bytes below {fmt.pct((kv or 0) * 0.6)} (now {fmt.pct(kv)})")
-    verdict = f"KV-cache reads are {fmt.pct(kv)} of the bytes a decode step moves (MODELED)" + (
+    check = (f"decode step p50 below {fmt.s((step or 0) * 0.7)} (now {fmt.s(step)}) with the measured K/V share of "
+             f"decode time below {fmt.pct((kv or 0) * 0.6)} (now {fmt.pct(kv)})")
+    verdict = f"K/V-cache reads take {fmt.pct(kv)} of decode time (MEASURED: step time fitted against history)" + (
         ": the history slows the tokens" if (kv or 0) >= 0.3 else "; the history costs little per step here")
-    return _f("decode-kv", KeyFigure("KV share of decode-step bytes (MODELED)", kv or 0.0, "share"), verdict,
+    return _f("decode-kv", KeyFigure("K/V reads' share of decode time (measured)", kv or 0.0, "share"), verdict,
               _decode_evidence(d), change, check)
 
 
@@ -388,7 +409,11 @@ def _decode_step_finding(d: Diagnosis) -> Finding:
 def _decode_finding(d: Diagnosis) -> Finding:
     s = d.summary
     verdict = f"time after the first token: ITL p50 {fmt.s(s.itl_p50_s)}, p99 {fmt.s(s.itl_p99_s)}"
-    change = ("record the server's iterations (phaselab serve --record) to split decode time into KV reads and the "
+    reasons = [a.reason for a in d.account.attribution.values() if not a.separable]
+    change = (("decode time is not split (" + "; ".join(sorted(set(reasons))) + "): vary the batch and the "
+               "history lengths in the workload to measure K/V vs per-step cost; meanwhile: fewer concurrent "
+               "streams shorten each step") if reasons else
+              "record the server's iterations (phaselab serve --record) to split decode time into KV reads and the "
               "per-step cost; meanwhile: fewer concurrent streams shorten each step")
     check = f"ITL p50 below {fmt.s((s.itl_p50_s or 0) * 0.7)} (now {fmt.s(s.itl_p50_s)})"
     return _f("decode", KeyFigure("ITL p50", s.itl_p50_s or 0.0, "s"), verdict, _decode_evidence(d), change, check)
