@@ -91,7 +91,9 @@ class Diagnosis:
             "path": self.path, "source": self.source,
             "ranking": [{"rank": i + 1, "cause": f.cause, "title": f.title, "share": f.share, "seconds": f.seconds,
                          "key_figure": asdict(f.key), "verdict": f.verdict, "evidence": f.evidence,
-                         "change": f.change, "check": f.check} for i, f in enumerate(self.findings)],
+                         "change": f.change, "check": f.check,
+                         "prediction": f.prediction.to_json() if f.prediction else None}
+                        for i, f in enumerate(self.findings)],
             "time_shares": self.account.shares, "time_seconds": self.account.totals,
             "summary": asdict(self.summary),
             "ttft": None if self.ttft is None else {
@@ -104,8 +106,9 @@ class Diagnosis:
 
 
 def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = None,
-             roofline: str | None = None) -> Diagnosis:
-    """Diagnose a run directory (path) or an already read RunData."""
+             roofline: str | None = None, predict: bool = True) -> Diagnosis:
+    """Diagnose a run directory (path) or an already read RunData. `predict`: simulate each
+    suggested change on the run (a real one-engine run directory; analysis/advice.py)."""
     path = None
     if not isinstance(run, RunData):
         path = str(run)
@@ -139,6 +142,10 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
     diag.notes.append("figures labelled MODELED come from the model config and the plans (docs/metrics.md), "
                       "not from a measurement")
     diag.findings = rank_findings(diag)
+    if predict:
+        from phaselab.analysis.advice import attach
+
+        diag.notes += attach(diag, diag.findings, run, path)
     return diag
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from phaselab.analysis import fmt
 from phaselab.analysis.accounting import CAUSES, STALL_FACTOR
 from phaselab.analysis.measures import FIT_R2
+from phaselab.analysis.predict import Change, Prediction
 
 if TYPE_CHECKING:
     from phaselab.analysis.diagnose import Diagnosis
@@ -24,7 +25,7 @@ TITLES = {
     "kv-capacity": "KV capacity: requests wait for blocks, are preempted and recompute",
     "decode-kv": "later tokens slow down as the history grows (KV reads)",
     "decode-step": "later tokens: the per-step cost (weights read every step)",
-    "decode": "later tokens: decode time (not split: no iteration records)",
+    "decode": "later tokens: decode time (not split into K/V reads and per-step cost)",
     "overhead": "tokenization, admission and delivery overhead",
 }
 
@@ -56,6 +57,8 @@ class Finding:
     evidence: list[str]
     change: str
     check: str
+    suggestion: Change | None = None  # the change as knobs (analysis/advice.py)
+    prediction: Prediction | None = None  # its simulated effect on this run
 
 
 def _policy(config: dict[str, Any]) -> tuple[str | None, int | None]:
