@@ -228,3 +228,23 @@ def test_kv_capacity_with_preemption(checkpoint, tmp_path):
                 recompute += (it["end_ns"] - it["start_ns"]) / 1e9
     assert d.account.kv_seconds()["recompute"] == pytest.approx(recompute, rel=REL)
     assert "--kv-cache-memory" in d.top.change
+
+
+def test_kv_capacity_suggestion_verified_by_rerun(checkpoint, tmp_path):
+    """--verify's check of the top suggestion (more KV memory): the rerun with it improves the
+    figure it targets, and the predicted change is within 25% of the measured one."""
+    from phaselab.analysis.advice import TARGET
+    from phaselab.analysis.verify import verify
+
+    rng = np.random.default_rng(3)
+    arrivals = [Arrival(f"k{i}", random_prompt(rng, 48), 48, at_s=0.0) for i in range(10)]
+    d, _ = _run(_engine(checkpoint, kv_cache_memory="4MiB", max_num_seqs=10, max_model_len=112), arrivals,
+                tmp_path / "kv")
+    assert d.top is not None and d.top.cause == "kv-capacity" and d.top.prediction is not None
+    assert d.top.prediction.change.engine_args == {"kv_cache_memory": "8MiB"}
+    v = verify(str(tmp_path / "kv"), d.top.prediction)
+    target = TARGET["kv-capacity"]
+    predicted, measured = v.prediction.relative(target), v.measured_relative(target)
+    print(f"{target}: predicted {predicted:+.1%}, measured {measured:+.1%}")
+    assert measured < 0  # the rerun with the change improved the targeted figure
+    assert predicted == pytest.approx(measured, rel=0.25)
