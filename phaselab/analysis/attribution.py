@@ -13,7 +13,8 @@ is per-step overhead. Every coefficient carries its 95% interval from the fit's 
 
 Not separable (said, not guessed) when the run lacks the spread: too few decode steps, the history
 moves in lockstep with the batch (then K/V and per-sequence cost are one column), or the fit pins
-the K/V part of a step only to worse than +-15% of the step (95%). The accounting then leaves decode time unsplit.
+the K/V part of a step only to worse than +-15% of the step (95%). Steps beyond 4 robust sigmas
+of the first fit (a shared machine's stalls) are dropped before the final fit. The accounting then leaves decode time unsplit.
 """
 
 from __future__ import annotations
@@ -104,6 +105,13 @@ def attribute_decode(steps: list[IterationRecord], bandwidth: float | None, kv_b
     a = np.column_stack(cols)
     x = _nonneg_lstsq(a, y - a @ fl) + fl  # each coefficient at or above its floor
     resid = y - a @ x
+    # a shared machine stalls a step now and then: drop steps beyond 4 robust sigmas, fit again
+    mad = 1.4826 * float(np.median(np.abs(resid - np.median(resid))))
+    keep = np.abs(resid) <= 4 * mad if mad > 0 else np.ones(n, dtype=bool)
+    if keep.sum() >= MIN_STEPS and not keep.all():
+        a, y, ctx, n = a[keep], y[keep], ctx[keep], int(keep.sum())
+        x = _nonneg_lstsq(a, y - a @ fl) + fl
+        resid = y - a @ x
     df = max(1, n - len(cols))
     sigma = math.sqrt(float(resid @ resid) / df)
     try:

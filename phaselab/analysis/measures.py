@@ -31,9 +31,9 @@ from phaselab.obs.rundir import RunData
 
 PERCENTILES = (50, 90, 99)
 FIT_R2 = 0.3  # a fit explaining less than this is reported as "no clear dependence"
-# arrivals spread over less than this fraction of the run (first arrival -> last finish) are a
-# burst: reported as one, never as a rate
-SUSTAINED = 0.1
+# arrivals spread over less than this fraction of the run's time per completion (first arrival ->
+# last finish, over the requests) came at once: a burst, reported as one, never as a rate
+SUSTAINED = 0.5
 
 @dataclass
 class TtftBreakdown:
@@ -103,7 +103,9 @@ def arrival_rate_or_burst(arrivals_ns: list[int], last_end_ns: int | None) -> tu
     arrivals_ns = sorted(arrivals_ns)
     window_s = (arrivals_ns[-1] - arrivals_ns[0]) / 1e9
     run_s = ((last_end_ns if last_end_ns is not None else arrivals_ns[-1]) - arrivals_ns[0]) / 1e9
-    if window_s <= 0 or window_s < SUSTAINED * run_s:
+    # the engine's time per completion over the run: arrivals within half of it came at once
+    per_completion_s = run_s / len(arrivals_ns) if run_s > 0 else 0.0
+    if window_s <= 0 or window_s < SUSTAINED * per_completion_s:
         return None, (len(arrivals_ns), window_s)
     return (len(arrivals_ns) - 1) / window_s, None
 
