@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -257,12 +258,37 @@ def test_queue_bound_synthetic_run_is_growing() -> None:
 
 def test_decode_kv_synthetic_run() -> None:
     reqs = [Req(f"d{i}", 0, 600, 40) for i in range(24)]
-    run = SynthEngine(budget=16384, prefill_ms_per_token=0.05, decode_ms_per_kv_token=0.02).run_data(reqs)
+    engine = SynthEngine(budget=16384, prefill_ms_per_token=0.05, decode_ms_per_kv_token=0.02)
+    run = engine.run_data(reqs)
     d = diagnose(run)
     assert d.top is not None and d.top.cause == "decode-kv"
+    # truth: the time the engine model spent on K/V reads (its per-history-token cost), not bytes
     steps = [r for r in run.iterations if r.num_prefill_tokens == 0]
-    truth = sum(r.modeled.kv_read_bytes for r in steps) / sum(r.modeled.total_bytes for r in steps)
+    kv_ms = sum(engine.decode_ms_per_kv_token * sum(c.context_len for c in r.chunks) for r in steps)
+    truth = kv_ms * MS / 1e9 / sum(r.duration_s for r in steps)
     assert d.top.key.value == pytest.approx(truth, rel=0.15)
+    att = d.account.attribution["engine-0"]
+    assert att.per_kv_token_s == pytest.approx(engine.decode_ms_per_kv_token / 1e3, rel=0.05)
+    # the batch never changed: the per-sequence cost is folded into the per-step one
+    assert att.per_step_s == pytest.approx((engine.step_ms + 24 * engine.decode_ms_per_token) / 1e3, rel=0.05)
+
+
+def test_decode_attribution_separates_batch_and_history_and_says_when_it_cannot() -> None:
+    """Requests of different lengths and arrival times: batch and history vary independently, so
+    the fit recovers the engine model's three costs; a run with one fixed batch and history cannot
+    be split and says so."""
+    reqs = [Req(f"v{i}", i * 150, 100 + 300 * (i % 5), 10 + 9 * (i % 4)) for i in range(30)]
+    engine = SynthEngine(budget=16384, prefill_ms_per_token=0.05, decode_ms_per_kv_token=0.004)
+    d = diagnose(engine.run_data(reqs))
+    att = d.account.attribution["engine-0"]
+    assert att.separable, att.reason
+    assert att.per_step_s == pytest.approx(engine.step_ms / 1e3, rel=0.05)
+    assert att.per_seq_s == pytest.approx(engine.decode_ms_per_token / 1e3, rel=0.05)
+    assert att.per_kv_token_s == pytest.approx(engine.decode_ms_per_kv_token / 1e3, rel=0.05)
+    flat = SynthEngine(decode_ms_per_kv_token=0.004).run_data([Req("one", 0, 8, 4)])
+    d = diagnose(flat)
+    assert not d.account.decode_split and d.account.totals["decode-kv"] == 0 and d.account.totals["decode"] > 0
+    assert any("not separable" in e for f in d.findings for e in f.evidence)
 
 
 # -- TTFT shares ------------------------------------------------------------------------------------------------
@@ -310,14 +336,26 @@ def test_diagnose_cli_on_a_run_directory(tmp_path) -> None:
     assert main(["diagnose", str(tmp_path / "nothing-here")]) == 2
 
 
-def test_roofline_file_is_used_when_given(tmp_path) -> None:
+def test_roofline_file_is_used_when_given(tmp_path, monkeypatch) -> None:
     f = tmp_path / "roofline.json"
     f.write_text(json.dumps({"bandwidth": {"read_bytes_per_s": 12.5e9},
                              "bfloat16": {"gemm_flops_per_s": {"layer_mix": {"512": 3e11}}}}))
     d = diagnose(stall_run(), roofline=str(f))
     assert d.ceilings.bandwidth_bytes_per_s == 12.5e9 and d.ceilings.measured
     assert any("measured" in n for n in d.notes)
-    assert not diagnose(stall_run(), roofline=None).ceilings.measured or True  # default: whatever is installed
+    # without a path: $PHASELAB_ROOFLINE first, then ./benchmarks/results, then the source checkout's
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PHASELAB_ROOFLINE", str(f))
+    d = diagnose(stall_run(), roofline=None)
+    assert (d.ceilings.source, d.ceilings.gemm_flops_per_s) == (str(f), 3e11)
+    monkeypatch.delenv("PHASELAB_ROOFLINE")
+    from phaselab.analysis import machine
+    checkout = Path(machine.__file__).resolve().parents[2] / machine.ROOFLINE_RELATIVE
+    d = diagnose(stall_run(), roofline=None)
+    assert d.ceilings.measured == checkout.is_file()
+    assert d.ceilings.source == (str(checkout) if checkout.is_file() else "assumed default")
+    with pytest.raises(FileNotFoundError, match="benchmarks/roofline.py"):
+        diagnose(stall_run(), roofline=str(tmp_path / "missing.json"))
 
 
 # -- a client run against another server, with vLLM's metric names ----------------------------------------------
@@ -381,7 +419,9 @@ def test_analysis_imports_no_torch() -> None:
     code = ("import sys\n"
             "import phaselab.analysis, phaselab.analysis.diagnose, phaselab.analysis.accounting, "
             "phaselab.analysis.timeline, phaselab.analysis.report, phaselab.analysis.external, "
-            "phaselab.analysis.cli, phaselab.experiments.compare, phaselab.experiments.compare_sim, "
+            "phaselab.analysis.cli, phaselab.analysis.advice, phaselab.analysis.predict, phaselab.analysis.verify, "
+            "phaselab.analysis.attribution, phaselab.analysis.kvcapacity, phaselab.sim.replay, phaselab.sim.loop, "
+            "phaselab.experiments.compare, phaselab.experiments.compare_sim, "
             "phaselab.experiments.cli, phaselab.workload.driver\n"
             "from phaselab.analysis.cli import main\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'ray')\n"

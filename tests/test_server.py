@@ -196,6 +196,31 @@ def test_usage_equals_phase_record(server, client):
             assert rec["finished_ns"] >= rec["token_sent_ns"][-1]
 
 
+def test_waiting_for_the_current_step_is_queue(server, client):
+    """A request handed to a busy engine waits for the step in progress; that wait is queue
+    (queued is stamped at the hand-off, inside the step), never admission. Truth: the engine's own
+    iteration records (a hand-off stamped between steps could never fall inside one)."""
+    busy = threading.Thread(target=lambda: client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=120))
+    busy.start()
+    ids = []
+    try:
+        for _ in range(3):
+            time.sleep(0.4)
+            ids.append(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).id)
+    finally:
+        busy.join(120)
+    assert httpx.post(server.url + "/record/flush", timeout=60).status_code == 200
+    records = read_requests(server.run_dir)
+    with open(f"{server.run_dir}/iterations.jsonl") as f:
+        its = [json.loads(x) for x in f if x.strip()]
+    inside = 0
+    for response_id in ids:
+        (rec,) = [r for rid, r in records.items() if rid.startswith(response_id + "-")]
+        assert rec["tokenized_ns"] <= rec["queued_ns"] <= rec["first_scheduled_ns"]
+        inside += any(it["start_ns"] < rec["queued_ns"] < it["end_ns"] for it in its)
+    assert inside >= 1  # the engine was stepping for the busy request nearly all the time
+
+
 @pytest.fixture(scope="module")
 def llm():
     from phaselab import LLM

@@ -9,16 +9,20 @@ cause. Each later gap is cut in this order:
 1. **transfer**: the part of the gap inside the request's KV transfer window (transfer queued ->
    decode admitted). Disaggregated serving streams the first token from the prefill worker, so the
    transfer usually sits in gap 1, not in TTFT.
-2. **stall / preemption**: the excess of the gap over the request's own baseline pace (the median
-   of its *clean* gaps: gaps whose iterations carried no other request's prefill and none of its
-   own recomputation), when the gap's iterations carried another request's prefill tokens (stall)
-   or its own recomputation after a preemption (preemption). The stall excess is capped by the
-   durations of those prefill-carrying iterations.
-3. **decode-kv / decode-step**: the rest, split by the MODELED bytes of the iteration that
-   sampled the token: KV-cache reads / all bytes (weights, KV read, KV written) go to decode-kv,
-   the rest to decode-step. Under the memory-bound model of a decode step this is the time the
-   history costs versus the time the weights cost. Without iteration records (a client's run)
-   the rest stays unsplit in `decode`.
+2. **kv-capacity**: the part of the gap covered by the request's own KV-capacity spans
+   (analysis/kvcapacity.py: readmission wait after a preemption, the recompute chunks). The same
+   spans are taken out of TTFT's queue (waiting for blocks) and prefill (readmission between
+   chunks, recompute): one cause for the whole mechanism, counted from the record's own
+   preemption events.
+3. **stall**: the excess of the rest over the request's own baseline pace (the median of its
+   *clean* gaps: gaps whose iterations carried no other request's prefill and none of its own
+   recomputation), when the gap's iterations carried another request's prefill tokens. The stall
+   excess is capped by the durations of those prefill-carrying iterations.
+4. **decode-kv / decode-step**: the rest, split by the MEASURED attribution of the sampling
+   iteration (analysis/attribution.py: the worker's decode steps fitted against batch and history):
+   the K/V reads' share to decode-kv, the weights and per-step overhead to decode-step. Where the
+   run lacks the spread to separate them, or without iteration records (a client's run), the rest
+   stays unsplit in `decode`.
 
 The iterations "in a gap" are those of the worker that sampled the token with ids in
 (iteration of the previous token, iteration of this token]: exact, because a worker's iteration
@@ -29,12 +33,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+from phaselab.analysis.attribution import DecodeAttribution, attribute_workers
+from phaselab.analysis.kvcapacity import KVLoss, Limits, overlap_ns, request_loss
 from phaselab.analysis.stats import median
 from phaselab.core.timing import IterationRecord, RequestMetrics
 
 # Causes in the order they are presented; their seconds sum to a request's E2E.
-CAUSES = ("queue", "prefill", "transfer", "stall", "preemption", "decode-kv", "decode-step", "decode", "overhead")
+CAUSES = ("queue", "prefill", "transfer", "stall", "kv-capacity", "decode-kv", "decode-step", "decode", "overhead")
 
 # TTFT phase (core.timing.TTFT_COMPONENTS) -> cause
 TTFT_CAUSE = {
@@ -57,8 +64,8 @@ class Gap:
     start_ns: int
     end_ns: int
     baseline_s: float
-    excess_s: float  # attributed to stall (or preemption)
-    cause: str  # "stall" | "preemption"
+    excess_s: float  # attributed to stall
+    cause: str  # "stall"
     iteration_ids: list[int] = field(default_factory=list)  # iterations in the gap that caused it
     culprits: dict[str, int] = field(default_factory=dict)  # request -> prefill tokens in them
 
@@ -76,7 +83,8 @@ class RequestAccount:
     e2e_s: float
     ttft_s: float | None
     parts: dict[str, float]  # cause -> seconds; sums to e2e_s
-    gaps: list[Gap] = field(default_factory=list)  # gaps with a stall or preemption excess
+    gaps: list[Gap] = field(default_factory=list)  # gaps with a stall excess
+    kv: KVLoss = field(default_factory=KVLoss)
 
 
 @dataclass
@@ -84,7 +92,18 @@ class RunAccount:
     requests: list[RequestAccount]
     totals: dict[str, float]  # cause -> seconds summed over requests
     total_s: float  # sum of E2E
-    decode_split: bool  # decode time split into decode-kv / decode-step (iteration records exist)
+    decode_split: bool  # decode time split into decode-kv / decode-step (a separable attribution)
+    attribution: dict[str, DecodeAttribution] = field(default_factory=dict)  # per worker
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(r.kv.num_preemptions for r in self.requests)
+
+    def kv_seconds(self) -> dict[str, float]:
+        """KV-capacity time by kind, summed over requests (the spans, before the tiling clips them)."""
+        return {"recompute": sum(r.kv.recompute_s for r in self.requests),
+                "readmission": sum(r.kv.readmission_s for r in self.requests),
+                "block_wait": sum(r.kv.block_wait_s for r in self.requests)}
 
     @property
     def shares(self) -> dict[str, float]:
@@ -121,12 +140,6 @@ class IterationIndex:
 
     def __bool__(self) -> bool:
         return bool(self.by_key)
-
-
-def kv_fraction(rec: IterationRecord) -> float:
-    """MODELED share of an iteration's bytes that are KV-cache reads."""
-    total = rec.modeled.total_bytes
-    return rec.modeled.kv_read_bytes / total if total > 0 else 0.0
 
 
 def _sent(m: RequestMetrics) -> list[int]:
@@ -190,43 +203,54 @@ def _gap_views(m: RequestMetrics, index: IterationIndex) -> list[_GapView]:
 
 
 def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: dict[str, float],
-                    views: list[_GapView] | None = None) -> RequestAccount:
+                    views: list[_GapView] | None = None, kv: KVLoss | None = None,
+                    attribution: dict[str, DecodeAttribution] | None = None) -> RequestAccount:
     parts = dict.fromkeys(CAUSES, 0.0)
+    kv = kv or KVLoss()
+    spans = kv.spans()
     ts = _sent(m)
     end_ns = m.finished_ns if m.finished_ns is not None else (ts[-1] if ts else m.arrived_ns)
     e2e = max(0, end_ns - m.arrived_ns) / 1e9
     ttft = m.ttft_s
     if not ts:  # never produced a token (aborted, failed): its time up to the end
-        spent = 0.0
+        parts["kv-capacity"] = min(e2e, overlap_ns(m.arrived_ns, end_ns, spans) / 1e9)
+        spent = parts["kv-capacity"]
         if m.queue_s is not None:
-            parts["queue"] = min(m.queue_s, e2e)
-            spent = parts["queue"]
+            parts["queue"] = max(0.0, min(m.queue_s - kv.block_wait_s, e2e - spent))
+            spent += parts["queue"]
         if m.prefill_chunks:
-            parts["prefill"] = min(m.prefill_compute_s, e2e - spent)
+            parts["prefill"] = max(0.0, min(m.prefill_compute_s, e2e - spent))
             spent += parts["prefill"]
-        parts["overhead"] = e2e - spent
-        return RequestAccount(m.request_id, e2e, ttft, parts)
+        parts["overhead"] = max(0.0, e2e - spent)
+        return RequestAccount(m.request_id, e2e, ttft, parts, kv=kv)
 
-    for phase, ns in m.ttft_components_ns().items():
+    ttft_parts = m.ttft_components_ns()
+    for phase, ns in ttft_parts.items():
         parts[TTFT_CAUSE[phase]] += ns / 1e9
+    if spans and m.first_token_sent_ns is not None:
+        # the KV-capacity spans inside TTFT leave the phase they fell in: block waits the queue,
+        # readmission waits and recompute the prefill region (first chunk start -> first token)
+        moved_q = min(parts["queue"], overlap_ns(m.arrived_ns, m.first_token_sent_ns, kv.block_wait) / 1e9)
+        moved_p = min(parts["prefill"], overlap_ns(m.arrived_ns, m.first_token_sent_ns,
+                                                   kv.readmission + kv.recompute) / 1e9)
+        parts["queue"] -= moved_q
+        parts["prefill"] -= moved_p
+        parts["kv-capacity"] += moved_q + moved_p
     views = _gap_views(m, index) if views is None else views
     clean = [(v.end_ns - v.start_ns) / 1e9 for v in views if v.clean]
     own_median = median([(v.end_ns - v.start_ns - v.transfer_ns) / 1e9 for v in views if v.iters])
     gaps: list[Gap] = []
-    split = bool(index)
     for v in views:
         gap = (v.end_ns - v.start_ns) / 1e9
         transfer = v.transfer_ns / 1e9
         parts["transfer"] += transfer
         rest = gap - transfer
+        lost = min(rest, overlap_ns(v.start_ns, v.end_ns, spans) / 1e9) if spans else 0.0
+        parts["kv-capacity"] += lost
+        rest -= lost
         baseline: float = (median(clean) if clean else worker_baseline.get(v.worker, own_median or rest)) or 0.0
         excess = max(0.0, rest - baseline)
-        if excess > 0 and v.own_recompute:
-            parts["preemption"] += excess
-            gaps.append(Gap(m.request_id, v.worker, v.k, v.start_ns, v.end_ns, baseline, excess, "preemption",
-                            [r.iteration_id for r in v.iters]))
-            rest -= excess
-        elif excess > 0 and v.other_prefill:
+        if excess > 0 and v.other_prefill and not v.own_recompute:
             excess = min(excess, sum(r.duration_s for r in v.other_prefill))
             culprits: dict[str, int] = {}
             for r in v.other_prefill:
@@ -237,14 +261,15 @@ def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: d
             gaps.append(Gap(m.request_id, v.worker, v.k, v.start_ns, v.end_ns, baseline, excess, "stall",
                             [r.iteration_id for r in v.other_prefill], culprits))
             rest -= excess
-        if not split:
+        att = (attribution or {}).get(v.worker)
+        if att is None or not att.separable:
             parts["decode"] += rest
         else:
-            f = kv_fraction(v.sampler) if v.sampler is not None else 0.0
+            f = att.kv_fraction(v.sampler) if v.sampler is not None else 0.0
             parts["decode-kv"] += rest * f
             parts["decode-step"] += rest * (1 - f)
     parts["overhead"] += max(0, end_ns - ts[-1]) / 1e9
-    return RequestAccount(m.request_id, e2e, ttft, parts, gaps)
+    return RequestAccount(m.request_id, e2e, ttft, parts, gaps, kv)
 
 
 def worker_baselines(views: Iterable[list[_GapView]]) -> dict[str, float]:
@@ -258,13 +283,21 @@ def worker_baselines(views: Iterable[list[_GapView]]) -> dict[str, float]:
     return {w: float(median(vs) or 0.0) for w, vs in per.items()}
 
 
-def account_run(requests: list[RequestMetrics], iterations: list[IterationRecord]) -> RunAccount:
+def account_run(requests: list[RequestMetrics], iterations: list[IterationRecord],
+                config: dict[str, Any] | None = None, bandwidth: float | None = None) -> RunAccount:
+    """`bandwidth`: a measured memory bandwidth bounding the decode attribution from below."""
     index = IterationIndex(iterations)
     views = [_gap_views(m, index) for m in requests]
     baselines = worker_baselines(views)
-    accounts = [account_request(m, index, baselines, v) for m, v in zip(requests, views)]
+    limits = Limits.from_config(config or {})
+    by_worker = {w: [index.by_key[(w, i)] for i in ids] for w, ids in index.ids.items()}
+    losses = [request_loss(m, by_worker.get(m.worker, []), limits) for m in requests]
+    attribution = attribute_workers(iterations, bandwidth)
+    accounts = [account_request(m, index, baselines, v, kv, attribution)
+                for m, v, kv in zip(requests, views, losses)]
     totals = dict.fromkeys(CAUSES, 0.0)
     for a in accounts:
         for c, v in a.parts.items():
             totals[c] += v
-    return RunAccount(accounts, totals, sum(a.e2e_s for a in accounts), bool(index))
+    return RunAccount(accounts, totals, sum(a.e2e_s for a in accounts),
+                      any(a.separable for a in attribution.values()), attribution)

@@ -30,6 +30,9 @@ def add_analysis_parsers(subparsers: Any) -> None:
     d.add_argument("--out", default=None, help="write the diagnosis files here instead of RUN_DIR")
     d.add_argument("--no-write", action="store_true", help="print only; write no file")
     d.add_argument("--json", action="store_true", help="print diagnosis.json instead of the text")
+    d.add_argument("--verify", action="store_true",
+                   help="rerun the recorded workload as recorded and with the top suggested change (one-engine runs "
+                        "phaselab made) and print the predicted vs measured change of each figure")
 
     t = subparsers.add_parser(
         "timeline", help="PNG and interactive HTML timeline of one or more runs (shared time axis)",
@@ -63,6 +66,29 @@ def _diagnose(ns: argparse.Namespace) -> int:
     if not ns.no_write:
         files = write_diagnosis(diag, ns.out or ns.run_dir)
         print(f"wrote {files['md']}, {files['html'].name}, {files['json'].name}", file=sys.stderr)
+    if ns.verify:
+        return _verify(diag, ns)
+    return 0
+
+
+def _verify(diag: Any, ns: argparse.Namespace) -> int:
+    import json
+
+    from phaselab.analysis.verify import verify
+
+    top = next((f for f in diag.findings if f.prediction is not None), None)
+    if top is None:
+        print("phaselab diagnose --verify: no finding has a simulated change to verify (see the notes above); "
+              "verify a change by hand with `phaselab compare`", file=sys.stderr)
+        return 2
+    v = verify(ns.run_dir, top.prediction)
+    sys.stdout.write(v.text())
+    if not ns.no_write:
+        out = Path(ns.out or ns.run_dir) / "verify.json"
+        out.write_text(json.dumps({"cause": top.cause, "flags": top.prediction.change.flags,
+                                   "rows": [dict(zip(("figure", "before", "after", "predicted_change",
+                                                      "measured_change"), r)) for r in v.rows()],
+                                   "notes": v.notes}, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

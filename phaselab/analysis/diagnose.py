@@ -14,7 +14,7 @@ Works through the symptom table of DESIGN.md section 1, row by row, on a run dir
                                                 admission waits, busy fraction of each pool
 
 **Ranking.** Every request's end-to-end time is cut into causes that sum to it exactly
-(`analysis/accounting.py`): queue, prefill, transfer, stall, preemption, decode-kv, decode-step,
+(`analysis/accounting.py`): queue, prefill, transfer, stall, kv-capacity, decode-kv, decode-step,
 overhead. A cause's score is its share of the run's summed E2E: the share of all the time users
 spent waiting that it explains. Causes are ranked by that share; each finding carries its key
 figure, the evidence, the change it suggests and the number that would show the change worked.
@@ -91,7 +91,9 @@ class Diagnosis:
             "path": self.path, "source": self.source,
             "ranking": [{"rank": i + 1, "cause": f.cause, "title": f.title, "share": f.share, "seconds": f.seconds,
                          "key_figure": asdict(f.key), "verdict": f.verdict, "evidence": f.evidence,
-                         "change": f.change, "check": f.check} for i, f in enumerate(self.findings)],
+                         "change": f.change, "check": f.check,
+                         "prediction": f.prediction.to_json() if f.prediction else None}
+                        for i, f in enumerate(self.findings)],
             "time_shares": self.account.shares, "time_seconds": self.account.totals,
             "summary": asdict(self.summary),
             "ttft": None if self.ttft is None else {
@@ -104,8 +106,9 @@ class Diagnosis:
 
 
 def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = None,
-             roofline: str | None = None) -> Diagnosis:
-    """Diagnose a run directory (path) or an already read RunData."""
+             roofline: str | None = None, predict: bool = True) -> Diagnosis:
+    """Diagnose a run directory (path) or an already read RunData. `predict`: simulate each
+    suggested change on the run (a real one-engine run directory; analysis/advice.py)."""
     path = None
     if not isinstance(run, RunData):
         path = str(run)
@@ -116,7 +119,8 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
         return diagnose_client_run(run, path, ceilings or load_ceilings(roofline))
     ceilings = ceilings or simulated_ceilings(run.config) or load_ceilings(roofline, str(run.config.get("dtype")
                                                                                           or "bfloat16"))
-    account = account_run(run.requests, run.iterations)
+    account = account_run(run.requests, run.iterations, run.config,
+                          ceilings.bandwidth_bytes_per_s if ceilings.measured else None)
     ttft = ttft_breakdown(run.requests)
     queue = queue_analysis(run, ttft)
     prefill = prefill_analysis(run, ttft)
@@ -138,6 +142,10 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
     diag.notes.append("figures labelled MODELED come from the model config and the plans (docs/metrics.md), "
                       "not from a measurement")
     diag.findings = rank_findings(diag)
+    if predict:
+        from phaselab.analysis.advice import attach
+
+        diag.notes += attach(diag, diag.findings, run, path)
     return diag
 
 

@@ -109,7 +109,7 @@ def _ttft_section(d: Diagnosis, doc: Doc) -> None:
         cap = ("Prefill time against uncached input length (an iteration shared with other requests is "
                "apportioned by tokens)")
         if p.fit:
-            cap += (f": {p.fit.slope * 1e3:.3f} ms/token + {p.fit.intercept * 1e3:.1f} ms, R^2 {p.fit.r2:.2f}"
+            cap += (f": {p.fit.slope_text(1e3, 'ms/token')} + {p.fit.intercept * 1e3:.1f} ms, R^2 {p.fit.r2:.2f}"
                     + ("; bends upward at long inputs" if p.bends_upward else ""))
         doc.add(Table(["input tokens", "requests", "prefill (mean)", "line"], rows, caption=cap))
 

@@ -74,7 +74,8 @@ def _client_gaps(reqs: list[RequestMetrics]) -> list[Gap]:
 def diagnose_client_run(run: RunData, path: str | None, ceilings: Ceilings) -> Any:
     from phaselab.analysis.diagnose import Diagnosis
     from phaselab.analysis.findings import rank_findings
-    from phaselab.analysis.measures import DecodeAnalysis, PrefillAnalysis, QueueAnalysis, StallAnalysis, summarize
+    from phaselab.analysis.measures import (DecodeAnalysis, PrefillAnalysis, QueueAnalysis, StallAnalysis,
+                                            arrival_rate_or_burst, summarize)
 
     raw = _raw_lines(path)
     reqs = [m for m in run.requests if not raw.get(m.request_id, {}).get("warmup")
@@ -129,12 +130,12 @@ def diagnose_client_run(run: RunData, path: str | None, ceilings: Ceilings) -> A
 
     arrivals = sorted(m.arrived_ns for m in reqs)
     ends = [m.finished_ns for m in reqs if m.finished_ns]
-    arrival_rate = (n - 1) / ((arrivals[-1] - arrivals[0]) / 1e9) if n >= 2 and arrivals[-1] > arrivals[0] else None
+    arrival_rate, burst = arrival_rate_or_burst(arrivals, max(ends) if ends else None)
     service = n / ((max(ends) - arrivals[0]) / 1e9) if ends and max(ends) > arrivals[0] else None
     qshare = queue_est / ttft_sum if ttft_sum > 0 else None
     queue = QueueAnalysis(qshare, None, None, arrival_rate, service, None, None, None,
                           None, None,
-                          (metrics.get("kv_usage") or {}).get("value"))
+                          (metrics.get("kv_usage") or {}).get("value"), burst)
     pts = [(m.num_prompt_tokens, m.ttft_s or 0.0) for m in reqs if m.num_prompt_tokens]
     fit = linear_fit([p[0] for p in pts], [p[1] for p in pts])
     bend = upward_bend([p[0] for p in pts], [p[1] for p in pts])

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from phaselab.analysis import fmt
 from phaselab.analysis.accounting import CAUSES, STALL_FACTOR
 from phaselab.analysis.measures import FIT_R2
+from phaselab.analysis.predict import Change, Prediction
 
 if TYPE_CHECKING:
     from phaselab.analysis.diagnose import Diagnosis
@@ -21,10 +22,10 @@ TITLES = {
     "prefill": "first token slow: prefill compute",
     "transfer": "disaggregated servers spend time moving KV state",
     "stall": "a new prompt pauses the other streams",
-    "preemption": "KV capacity: preempted requests recompute",
+    "kv-capacity": "KV capacity: requests wait for blocks, are preempted and recompute",
     "decode-kv": "later tokens slow down as the history grows (KV reads)",
     "decode-step": "later tokens: the per-step cost (weights read every step)",
-    "decode": "later tokens: decode time (not split: no iteration records)",
+    "decode": "later tokens: decode time (not split into K/V reads and per-step cost)",
     "overhead": "tokenization, admission and delivery overhead",
 }
 
@@ -56,6 +57,8 @@ class Finding:
     evidence: list[str]
     change: str
     check: str
+    suggestion: Change | None = None  # the change as knobs (analysis/advice.py)
+    prediction: Prediction | None = None  # its simulated effect on this run
 
 
 def _policy(config: dict[str, Any]) -> tuple[str | None, int | None]:
@@ -70,7 +73,7 @@ def _policy(config: dict[str, Any]) -> tuple[str | None, int | None]:
 
 def rank_findings(d: Diagnosis) -> list[Finding]:
     builders = {"queue": _queue_finding, "prefill": _prefill_finding, "transfer": _transfer_finding,
-                "stall": _stall_finding, "preemption": _preemption_finding, "decode-kv": _decode_kv_finding,
+                "stall": _stall_finding, "kv-capacity": _kv_capacity_finding, "decode-kv": _decode_kv_finding,
                 "decode-step": _decode_step_finding, "decode": _decode_finding, "overhead": _overhead_finding}
     out = []
     shares = d.account.shares
@@ -100,6 +103,9 @@ def _queue_finding(d: Diagnosis) -> Finding:
     if q.arrival_rate is not None and q.service_rate is not None:
         ev.append(f"arrivals {q.arrival_rate:.2f} req/s vs completions {q.service_rate:.2f} req/s while busy "
                   f"(load {q.arrival_rate / q.service_rate:.2f}x capacity)")
+    elif q.burst is not None:
+        ev.append(f"a burst: {q.burst[0]} requests arrived within {fmt.s(q.burst[1])} (no sustained arrival rate)"
+                  + (f"; completions {q.service_rate:.2f} req/s while busy" if q.service_rate is not None else ""))
     elif q.service_rate is not None:
         ev.append(f"all requests arrived together; completions {q.service_rate:.2f} req/s while busy")
     if q.growth is not None:
@@ -138,12 +144,19 @@ def _prefill_finding(d: Diagnosis) -> Finding:
     if p.fit is not None:
         what = "client TTFT against input length" if d.source == "client" else \
             "prefill time against uncached input length"
-        ev.append(f"{what}: {p.fit.slope * 1e3:.3f} ms/token, intercept "
-                  f"{p.fit.intercept * 1e3:.1f} ms, R^2 {p.fit.r2:.2f} over {p.fit.n} requests")
+        if not p.fit.slope_significant:
+            ev.append(f"{what}: no measurable slope over {p.fit.n} requests "
+                      f"({p.fit.slope_text(1e3, 'ms/token')}: the inputs' lengths do not spread enough)")
+        else:
+            icpt = (f"intercept {p.fit.intercept * 1e3:.1f} +- {p.fit.intercept_ci * 1e3:.1f} ms"
+                    if p.fit.intercept_plausible else "intercept below 0 (an extrapolation far outside the "
+                    "measured lengths; not meaningful)")
+            ev.append(f"{what}: {p.fit.slope_text(1e3, 'ms/token')}, {icpt}, R^2 {p.fit.r2:.2f} "
+                      f"over {p.fit.n} requests")
     if p.bend_ratio is not None:
         ev.append(f"at the longest inputs prefill takes {p.bend_ratio:.2f}x the line through the shorter half"
                   + (" — it bends upward (attention grows with the square of the length)" if p.bends_upward
-                     else " — no upward bend"))
+                     else " — within the noise: no bend claimed" if p.bend_ratio > 1.15 else " — no upward bend"))
     if p.tokens_per_s:
         gemm = d.ceilings.gemm_flops_per_s
         ev.append(f"prefill-only iterations: {p.tokens_per_s:.0f} tokens/s; MODELED "
@@ -166,7 +179,7 @@ def _prefill_finding(d: Diagnosis) -> Finding:
                   "device); chunking does not shorten it")
         if p.bends_upward:
             change += "; long inputs cost more than linearly: cap or split the longest prompts"
-    slope = p.fit.slope * 1e3 if p.fit else None
+    slope = p.fit.slope * 1e3 if p.fit and p.fit.slope_significant and p.fit.slope > 0 else None
     check = (f"TTFT p50 below {fmt.s((d.summary.ttft_p50_s or 0) * 0.7)} (now {fmt.s(d.summary.ttft_p50_s)})"
              + (f" or the prefill slope below {slope * 0.7:.3f} ms/token (now {slope:.3f})" if slope else ""))
     verdict = f"prefill compute is {fmt.pct(p.share_of_ttft)} of TTFT" + (
@@ -267,16 +280,24 @@ def _stall_finding(d: Diagnosis) -> Finding:
     return _f("stall", KeyFigure("longest stall", st.max_stall_s, "s"), verdict, ev, change, check)
 
 
-def _preemption_finding(d: Diagnosis) -> Finding:
-    gaps = [g for g in d.account.gaps if g.cause == "preemption"]
-    ev = [f"{len(gaps)} gaps include the request's own recomputation after a preemption; "
-          f"{fmt.s(sum(g.excess_s for g in gaps))} in all"]
+def _kv_capacity_finding(d: Diagnosis) -> Finding:
+    acc = d.account
+    kinds = acc.kv_seconds()
+    n = acc.num_preemptions
+    victims = sum(1 for r in acc.requests if r.kv.num_preemptions)
+    ev = [f"{n} preemptions (the scheduler's own events) of {victims} requests",
+          f"recompute compute {fmt.s(kinds['recompute'])}, readmission wait {fmt.s(kinds['readmission'])}, "
+          f"first admission waiting for free blocks {fmt.s(kinds['block_wait'])}"]
     if d.queue and d.queue.max_kv_usage is not None:
         ev.append(f"peak KV usage {fmt.pct(d.queue.max_kv_usage)}")
-    change = "KV capacity runs out mid-decode: raise --kv-cache-memory, or lower --max-num-seqs / max_model_len"
-    check = "no preemptions (phaselab_num_preemptions_total stays 0)"
-    return _f("preemption", KeyFigure("recompute time", sum(g.excess_s for g in gaps), "s"),
-              "preempted requests lose time recomputing their KV", ev, change, check)
+    sched = d.config.get("scheduler") or {}
+    change = ("the KV cache is too small for the load: raise --kv-cache-memory; or lower --max-num-seqs "
+              f"(now {sched.get('max_num_seqs')}) / max_model_len so fewer sequences hold blocks at once — "
+              "not more concurrency, which makes the shortage worse")
+    check = f"preemptions 0 (now {n}) and KV-capacity time near 0 (now {fmt.s(acc.totals['kv-capacity'])})"
+    verdict = (f"the KV cache ran out: {n} preemptions, and {fmt.s(acc.totals['kv-capacity'])} of the users' time "
+               "went to waiting for blocks and rebuilding lost KV")
+    return _f("kv-capacity", KeyFigure("preemptions", float(n), "events"), verdict, ev, change, check)
 
 
 def _decode_evidence(d: Diagnosis) -> list[str]:
@@ -296,6 +317,20 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
                   f"{fmt.rate(bw)} ({d.ceilings.kind})"
                   + (" — a memory-bound signature" if frac > 0.5 else
                      " — well below the memory roof: per-step overheads and compute dominate"))
+    for w, att in sorted(d.account.attribution.items()):
+        who = f"{w}: " if len(d.account.attribution) > 1 else ""
+        if not att.separable:
+            ev.append(f"{who}decode time not separable into weights, K/V reads and overhead: {att.reason}")
+            continue
+        a_ci, b_ci, c_ci = att.ci
+        sh = att.shares or {}
+        ev.append(f"{who}MEASURED over {att.num_steps} decode steps: step = {att.per_step_s * 1e3:.2f} +- "
+                  f"{a_ci * 1e3:.2f} ms per step (weights {att.weights_s * 1e3:.2f} ms at "
+                  f"{'the measured bandwidth' if att.bounded else 'no measured bandwidth: not split off'}) + "
+                  f"{att.per_seq_s * 1e3:.3f} +- {b_ci * 1e3:.3f} ms per sequence + {att.per_kv_token_s * 1e6:.3f} +- "
+                  f"{c_ci * 1e6:.3f} ms per 1000 history tokens (R^2 {att.r2:.2f}, error {fmt.s(att.rmse_s)} per step); "
+                  f"shares of decode-step time: weights {fmt.pct(sh.get('weights'))}, K/V reads "
+                  f"{fmt.pct(sh.get('kv'))}, per-step and per-sequence overhead {fmt.pct(sh.get('overhead'))}")
     if x.fit is not None and x.fit.r2 >= FIT_R2:
         ev.append(f"step time = {x.fit.intercept * 1e3:.1f} ms + {x.fit.coefs[0] * 1e3:.2f} ms x batch + "
                   f"{x.fit.coefs[1] * 1e6:.2f} ms x (context / 1000 tokens) (R^2 {x.fit.r2:.2f})")
@@ -313,19 +348,26 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
     return ev
 
 
+def measured_kv_share(d: Diagnosis) -> float | None:
+    """Share of the users' decode time (split part) that the measured attribution gives K/V reads."""
+    t = d.account.totals
+    split = t["decode-kv"] + t["decode-step"]
+    return t["decode-kv"] / split if split > 0 else None
+
+
 def _decode_kv_finding(d: Diagnosis) -> Finding:
     x = d.decode
-    kv = x.kv_share if x else None
+    kv = measured_kv_share(d)
     max_seqs = (d.config.get("scheduler") or {}).get("max_num_seqs")
     change = (f"the history is what later tokens pay for: lower --max-num-seqs (now {max_seqs}) so each step reads "
               "less KV (fewer tokens per second in total), cap output lengths / max_model_len, or add decode capacity "
               "(another replica, or more decode workers in a disaggregated deployment)")
     step = x.step_p50_s if x else None
-    check = (f"decode step p50 below {fmt.s((step or 0) * 0.7)} (now {fmt.s(step)}) with the MODELED KV share of "
-             f"step bytes below {fmt.pct((kv or 0) * 0.6)} (now {fmt.pct(kv)})")
-    verdict = f"KV-cache reads are {fmt.pct(kv)} of the bytes a decode step moves (MODELED)" + (
+    check = (f"decode step p50 below {fmt.s((step or 0) * 0.7)} (now {fmt.s(step)}) with the measured K/V share of "
+             f"decode time below {fmt.pct((kv or 0) * 0.6)} (now {fmt.pct(kv)})")
+    verdict = f"K/V-cache reads take {fmt.pct(kv)} of decode time (MEASURED: step time fitted against history)" + (
         ": the history slows the tokens" if (kv or 0) >= 0.3 else "; the history costs little per step here")
-    return _f("decode-kv", KeyFigure("KV share of decode-step bytes (MODELED)", kv or 0.0, "share"), verdict,
+    return _f("decode-kv", KeyFigure("K/V reads' share of decode time (measured)", kv or 0.0, "share"), verdict,
               _decode_evidence(d), change, check)
 
 
@@ -370,7 +412,11 @@ def _decode_step_finding(d: Diagnosis) -> Finding:
 def _decode_finding(d: Diagnosis) -> Finding:
     s = d.summary
     verdict = f"time after the first token: ITL p50 {fmt.s(s.itl_p50_s)}, p99 {fmt.s(s.itl_p99_s)}"
-    change = ("record the server's iterations (phaselab serve --record) to split decode time into KV reads and the "
+    reasons = [a.reason for a in d.account.attribution.values() if not a.separable]
+    change = (("decode time is not split (" + "; ".join(sorted(set(reasons))) + "): vary the batch and the "
+               "history lengths in the workload to measure K/V vs per-step cost; meanwhile: fewer concurrent "
+               "streams shorten each step") if reasons else
+              "record the server's iterations (phaselab serve --record) to split decode time into KV reads and the "
               "per-step cost; meanwhile: fewer concurrent streams shorten each step")
     check = f"ITL p50 below {fmt.s((s.itl_p50_s or 0) * 0.7)} (now {fmt.s(s.itl_p50_s)})"
     return _f("decode", KeyFigure("ITL p50", s.itl_p50_s or 0.0, "s"), verdict, _decode_evidence(d), change, check)

@@ -31,6 +31,9 @@ from phaselab.obs.rundir import RunData
 
 PERCENTILES = (50, 90, 99)
 FIT_R2 = 0.3  # a fit explaining less than this is reported as "no clear dependence"
+# arrivals spread over less than this fraction of the run's time per completion (first arrival ->
+# last finish, over the requests) came at once: a burst, reported as one, never as a rate
+SUSTAINED = 0.5
 
 @dataclass
 class TtftBreakdown:
@@ -83,6 +86,7 @@ class QueueAnalysis:
     max_waiting: int | None  # from the iteration records (None: not known)
     frac_at_max_seqs: float | None  # iterations whose running count was at max_num_seqs
     max_kv_usage: float | None
+    burst: tuple[int, float] | None = None  # (requests, seconds) when they arrived as one burst
 
     @property
     def growing(self) -> bool:
@@ -91,18 +95,35 @@ class QueueAnalysis:
         return self.growth.slope > 0.05 and self.last_third_s > 1.5 * self.first_third_s + 1e-3
 
 
+def arrival_rate_or_burst(arrivals_ns: list[int], last_end_ns: int | None) -> tuple[float | None, tuple[int, float] | None]:
+    """(sustained arrival rate, None), or (None, (requests, window s)) when they came as one burst:
+    a rate over a near-zero window (and a slope of queue time over it) says nothing about load."""
+    if len(arrivals_ns) < 2:
+        return None, None
+    arrivals_ns = sorted(arrivals_ns)
+    window_s = (arrivals_ns[-1] - arrivals_ns[0]) / 1e9
+    run_s = ((last_end_ns if last_end_ns is not None else arrivals_ns[-1]) - arrivals_ns[0]) / 1e9
+    # the engine's time per completion over the run: arrivals within half of it came at once
+    per_completion_s = run_s / len(arrivals_ns) if run_s > 0 else 0.0
+    if window_s <= 0 or window_s < SUSTAINED * per_completion_s:
+        return None, (len(arrivals_ns), window_s)
+    return (len(arrivals_ns) - 1) / window_s, None
+
+
 def queue_analysis(run: RunData, ttft: TtftBreakdown | None) -> QueueAnalysis:
     reqs = sorted((m for m in run.requests if m.queue_s is not None), key=lambda m: m.arrived_ns)
     qs: list[float] = [m.queue_s for m in reqs if m.queue_s is not None]
     arrivals = [m.arrived_ns for m in reqs]
     arrival_rate = service_rate = None
-    if len(reqs) >= 2 and arrivals[-1] > arrivals[0]:
-        arrival_rate = (len(reqs) - 1) / ((arrivals[-1] - arrivals[0]) / 1e9)
+    burst = None
     starts = [m.first_scheduled_ns for m in run.requests if m.first_scheduled_ns is not None]
     ends = [m.finished_ns for m in run.requests if m.finished_ns is not None]
     if starts and ends and max(ends) > min(starts):
         service_rate = len(ends) / ((max(ends) - min(starts)) / 1e9)
-    growth = linear_fit([(a - arrivals[0]) / 1e9 for a in arrivals], qs) if reqs else None
+    growth = None
+    arrival_rate, burst = arrival_rate_or_burst(arrivals, max(ends) if ends else None)
+    if arrival_rate is not None:
+        growth = linear_fit([(a - arrivals[0]) / 1e9 for a in arrivals], qs)
     third = max(1, len(qs) // 3)
     max_seqs = (run.config.get("scheduler") or {}).get("max_num_seqs")
     its = run.iterations
@@ -118,7 +139,7 @@ def queue_analysis(run: RunData, ttft: TtftBreakdown | None) -> QueueAnalysis:
         first_third_s=sum(qs[:third]) / third if qs else None,
         last_third_s=sum(qs[-third:]) / third if qs else None,
         max_waiting=max((r.num_waiting for r in its), default=0), frac_at_max_seqs=frac,
-        max_kv_usage=max(usage) if usage else None,
+        max_kv_usage=max(usage) if usage else None, burst=burst,
     )
 
 

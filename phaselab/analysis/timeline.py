@@ -49,7 +49,7 @@ def build_timeline(run: RunData, title: str) -> dict[str, Any]:
         w = workers.setdefault(r.worker, {"name": r.worker, "role": r.role, "iters": []})
         w["iters"].append([_rel(r.start_ns, t0), _rel(r.end_ns, t0), r.num_prefill_tokens, r.num_decode_tokens,
                            r.iteration_id, len(r.chunks)])
-    account = account_run(run.requests, run.iterations)
+    account = account_run(run.requests, run.iterations, run.config)
     gaps: dict[str, list[list[Any]]] = {}
     for g in account.gaps:
         if g.cause != "stall":

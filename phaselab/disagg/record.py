@@ -52,13 +52,16 @@ def _merge_preemptions(m: RequestMetrics, rec: RequestMetrics) -> None:
 
 
 def merge_transfer(m: RequestMetrics, ev: TransferEvent, offset_ns: int, export_start_ns: int | None) -> None:
-    """The decode worker fetched the KV. `export_start_ns` (router clock): the transport copied
-    the KV out when the request parked, so the transfer started there (queued and started at
-    once; the routing hop to the decode worker is inside it)."""
-    m.kv_transfer_queued_ns, m.kv_transfer_start_ns, m.kv_transfer_end_ns = (
-        ev.queued_ns - offset_ns, ev.start_ns - offset_ns, ev.end_ns - offset_ns)
+    """The decode worker fetched the KV: its fetch queue and its fetch are recorded where they
+    happened (queued -> start: waiting for the transport; start -> end: the wire). `export_start_ns`
+    (router clock): a transport that copied the KV out when the request parked (ray-object-store)
+    asked for the transfer there, so the transfer is queued from then on; the fetch stays the wire
+    time, so KV bytes / transfer_s is the link's bandwidth, not the copy's and the router's too."""
+    queued_ns = ev.queued_ns - offset_ns
     if export_start_ns is not None:
-        m.kv_transfer_queued_ns = m.kv_transfer_start_ns = export_start_ns
+        queued_ns = min(queued_ns, export_start_ns)
+    m.kv_transfer_queued_ns, m.kv_transfer_start_ns, m.kv_transfer_end_ns = (
+        queued_ns, ev.start_ns - offset_ns, ev.end_ns - offset_ns)
     m.kv_transfer_bytes = ev.num_bytes
     m.decode_admitted_ns = None
 

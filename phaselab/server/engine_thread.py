@@ -161,7 +161,8 @@ class EngineThread:
         self._num_pending_adds += len(requests)
         if on_submitted is not None:
             on_submitted()
-        self._commands.put(("add", requests, arrived_ns, tokenized_ns, q, fut))
+        # queued now: the wait for the engine thread (its current step) is queue, not admission
+        self._commands.put(("add", requests, arrived_ns, tokenized_ns, time.monotonic_ns(), q, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -300,7 +301,7 @@ class EngineThread:
         kind = cmd[0]
         engine = self.engine
         if kind == "add":
-            _, requests, arrived_ns, tokenized_ns, q, fut = cmd
+            _, requests, arrived_ns, tokenized_ns, queued_ns, q, fut = cmd
             self._num_applied_adds += len(requests)
             if engine is None or self._dead or self._stopping:
                 self._acks.append((fut, None, EngineUnavailable(self.error or "the engine is not running")))
@@ -309,7 +310,8 @@ class EngineThread:
             try:
                 for r in requests:
                     engine.add_request(r.prompt_token_ids, r.params, request_id=r.request_id, arrived_ns=arrived_ns,
-                                       tokenized_ns=tokenized_ns, prompt_text=r.prompt)  # the server tokenized it
+                                       tokenized_ns=tokenized_ns, queued_ns=queued_ns,  # the server tokenized it
+                                       prompt_text=r.prompt)
                     added.append(r.request_id)
                     self._routes[r.request_id] = _Route(q, r.index)
             except Exception as e:  # noqa: BLE001 - all or none: undo, then report

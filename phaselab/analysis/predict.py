@@ -1,0 +1,126 @@
+"""The predicted effect of a suggested change: the run's own workload, simulated with the engine's
+own scheduler and a cost model calibrated on the run itself, before and after the change.
+
+    run dir ─▶ replay_inputs (sim/replay.py): deployment, requests at their real arrival offsets
+            ─▶ calibrate (sim/calibrate.py): the cost model's efficiencies fitted to the run's iterations
+            ─▶ simulate as recorded ("before") and with the change ("after")
+            ─▶ predicted after = measured x (simulated after / simulated before), per figure
+
+Scaling the measured figure by the simulated ratio cancels the cost model's bias on this run (the
+same model, same workload, both sides). A change is `Change(knobs)` in the simulator's RoleConfig
+names plus the serve flags a user would type. Only one-engine runs are predicted (the replay's
+scope); others get no prediction, and say so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from os import PathLike
+from typing import Any
+
+from phaselab.analysis.stats import percentile
+from phaselab.core.timing import RequestMetrics
+
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p99_s", "e2e_mean_s", "output_tokens_per_s")
+LOWER_IS_BETTER = {"ttft_p50_s": True, "ttft_p99_s": True, "itl_p99_s": True, "e2e_mean_s": True,
+                   "output_tokens_per_s": False}
+HURT_TOLERANCE = 0.05  # E2E or throughput predicted worse by more than this: flagged with its cost
+
+
+@dataclass(frozen=True)
+class Change:
+    knobs: dict[str, Any]  # RoleConfig fields: max_num_seqs, policy, max_num_batched_tokens, num_blocks
+    flags: str  # what to pass to `phaselab serve` / `compare`
+    engine_args: dict[str, Any] = field(default_factory=dict)  # EngineArgs for --verify
+
+
+@dataclass
+class Prediction:
+    change: Change
+    measured: dict[str, float | None]
+    sim_before: dict[str, float | None]
+    sim_after: dict[str, float | None]
+    cost_model_error: float | None  # the calibration's mean |relative error| per iteration
+
+    def predicted(self, name: str) -> float | None:
+        m, b, a = self.measured.get(name), self.sim_before.get(name), self.sim_after.get(name)
+        if m is None or not b or a is None:
+            return None
+        return m * a / b
+
+    def relative(self, name: str) -> float | None:
+        b, a = self.sim_before.get(name), self.sim_after.get(name)
+        return (a - b) / b if b and a is not None else None
+
+    def hurts(self) -> list[str]:
+        """User-facing figures the change is predicted to worsen by more than HURT_TOLERANCE."""
+        out = []
+        for name in ("e2e_mean_s", "output_tokens_per_s"):
+            r = self.relative(name)
+            if r is not None and (r > HURT_TOLERANCE if LOWER_IS_BETTER[name] else r < -HURT_TOLERANCE):
+                out.append(name)
+        return out
+
+    def table(self) -> list[tuple[str, float | None, float | None, float | None]]:
+        return [(n, self.measured.get(n), self.predicted(n), self.relative(n)) for n in FIGURES]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"flags": self.change.flags, "knobs": self.change.knobs, "measured": self.measured,
+                "predicted": {n: self.predicted(n) for n in FIGURES}, "sim_before": self.sim_before,
+                "sim_after": self.sim_after, "cost_model_error": self.cost_model_error, "hurts": self.hurts()}
+
+
+def figures(requests: list[RequestMetrics]) -> dict[str, float | None]:
+    """The user-facing figures of a run's records (finished, ok requests)."""
+    ok = [m for m in requests if m.finish_reason not in ("abort", "error") and m.first_token_sent_ns is not None]
+    ttft = [m.ttft_s for m in ok if m.ttft_s is not None]
+    itl = [g for m in ok for g in m.itl_s]
+    e2e = [m.e2e_s for m in ok if m.e2e_s is not None]
+    out_tokens = sum(m.num_output_tokens for m in ok)
+    t0 = min((m.arrived_ns for m in ok), default=0)
+    t1 = max((m.finished_ns or 0 for m in ok), default=0)
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99), "itl_p99_s": percentile(itl, 99),
+            "e2e_mean_s": sum(e2e) / len(e2e) if e2e else None,
+            "output_tokens_per_s": out_tokens / ((t1 - t0) / 1e9) if t1 > t0 else None}
+
+
+class Predictor:
+    """Calibrates once per run, then simulates any number of changes."""
+
+    def __init__(self, path: str | PathLike[str]) -> None:
+        from phaselab.obs.rundir import read_run_dir
+        from phaselab.sim.calibrate import calibrate
+        from phaselab.sim.replay import replay_inputs
+
+        data = read_run_dir(path)
+        self.deployment, self.requests, _, self.notes = replay_inputs(data)
+        fit, hw = calibrate(path)
+        self.cost_model_error = fit.summary()["relative_error_abs_mean"]
+        self.deployment = dataclasses.replace(self.deployment, hardware=hw, params=fit.params)
+        self.measured = figures(data.requests)
+        self._before = self._simulate({})
+
+    def _simulate(self, knobs: dict[str, Any]) -> dict[str, float | None]:
+        from phaselab.sim.loop import Simulator
+        from phaselab.workload.arrivals import ArrivalPlan
+
+        d = self.deployment
+        if knobs:
+            d = dataclasses.replace(d, colocated=dataclasses.replace(d.colocated, **knobs))
+        sim = Simulator(d, self.requests, ArrivalPlan(self_timed=True), record_iterations=False,
+                        workload_info={"kind": "diagnose prediction"})
+        return figures(sim.run().requests)
+
+    def predict(self, change: Change) -> Prediction:
+        return Prediction(change, self.measured, self._before, self._simulate(change.knobs), self.cost_model_error)
+
+
+def make_predictor(path: str | PathLike[str] | None) -> tuple[Predictor | None, str | None]:
+    """A predictor for a real one-engine run directory, or (None, why not)."""
+    if path is None:
+        return None, "no run directory (records given in memory): no prediction"
+    try:
+        return Predictor(path), None
+    except Exception as e:  # noqa: BLE001 - a run the simulator cannot replay: the diagnosis goes on without
+        return None, f"no prediction: {e}"
