@@ -356,6 +356,8 @@ class DisaggWorker:
             if lease.readers:
                 return  # _settle_leases finishes it
             del self._leases[rid]
+        with self._staged_cv:  # the request is done here: forget its attempt (else one entry per request, forever)
+            self._attempts.pop(rid, None)
         if lease.block_ids is not None:
             self.engine.release_parked(rid)
         self.counters[f"leases_{lease.reason}"] += 1
