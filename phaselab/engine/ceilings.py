@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m phaselab.engine.ceilings", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
-    src.add_argument("--run", metavar="RUN_DIR", help="take the model, dtype and torch threads from this run's config.json")
+    src.add_argument("--run", metavar="RUN_DIR",
+                     help="take the model, dtype and torch threads from this run's config.json")
     src.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled model)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: the run's, else bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the run's, else torch's)")
