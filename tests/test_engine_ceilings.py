@@ -82,3 +82,11 @@ def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_mo
     assert fit.notes == []  # the same CPU, threads and dtype
     for name in ("compute_efficiency", "memory_efficiency", "attention_efficiency", "kv_memory_efficiency"):
         assert 0 < getattr(fit.params, name) <= 1
+    # calibrate --measure-host: this host measured now (a subprocess), with the run's model, dtype and threads
+    from phaselab.sim.cli import main as sim_main
+
+    host = tmp_path / "host.json"
+    assert sim_main(["simulate", "calibrate", str(tmp_path), "--measure-host", str(host)]) == 0
+    measured = json.loads(host.read_text())
+    assert measured["host"]["dtype"] == "float32" and measured["host"]["model"] == cfg["model"]["config"]["name"]
+    assert measured["host"]["threads"] == cfg["machine"]["torch_num_threads"]
