@@ -310,11 +310,10 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
-    from phaselab.sim.calibrate import calibrate, write_params
-
     import warnings
 
-    from phaselab.sim.host import measure_host
+    from phaselab.sim.calibrate import calibrate, write_params
+    from phaselab.sim.host import measure_host, write_hardware
 
     if ns.measure_host and ns.hardware:
         raise ConfigError("pass either --hardware or --measure-host, not both")
@@ -337,13 +336,10 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
             print(f"  {k:<22} {'-' if v is None else format(v, '.6g')}   ({fit.params.source(k)})")
     if ns.out:
         write_params(fit, hw, ns.out)
-        hw_ref = hw.name
-        if hw.host is not None and hw.name != "cpu":  # measured ceilings: a file the simulator can take
-            from phaselab.sim.host import write_hardware
-
-            hw_ref = ns.measure_host or os.path.splitext(ns.out)[0] + ".hardware.json"
-            if not ns.measure_host:
-                write_hardware(hw, hw_ref)
+        hw_ref = ns.measure_host or ns.hardware or hw.name
+        if hw_ref == hw.name and hw.host is not None and hw.name != "cpu":  # the run's recorded ceilings
+            hw_ref = os.path.splitext(ns.out)[0] + ".hardware.json"  # as a file the simulator can take
+            write_hardware(hw, hw_ref)
         print(f"parameters written to {ns.out}; use them with --hardware {hw_ref} --params {ns.out}")
     return 0
 
