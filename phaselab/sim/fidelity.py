@@ -12,6 +12,10 @@ Shared by `benchmarks/sim_fidelity.py` (40 requests, three loads) and its CI tes
     scaled         a cost model with every time multiplied by k (drift correction)
     by_kind        measured / predicted time per kind of iteration (prefill only, mixed, decode only)
 
+Every prediction prices the run against the hardware its parameters were fitted on: `hardware=`
+(calibrate's second result), by default the ceilings the engine measured on the run's host and
+recorded in it (host.run_hardware), else the catalog's `cpu` entry.
+
 The engine is passed in (built by the caller with `phaselab.LLM`): this module imports neither torch
 nor `phaselab.engine`, like the rest of the simulator.
 """
