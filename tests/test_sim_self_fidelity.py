@@ -49,6 +49,9 @@ def _pair(engine, text_ids, capacity: float, workdir: str) -> dict:
                         "prediction": by_kind(run_dir, fit.params, hw)},
             "efficiencies": {k: getattr(fit.params, k) for k in ("compute_efficiency", "memory_efficiency",
                                                                   "attention_efficiency", "kv_memory_efficiency")},
+            "capped": [k for k in ("compute_efficiency", "memory_efficiency", "attention_efficiency",
+                                   "decode_attention_efficiency", "kv_memory_efficiency")
+                       if "capped at 1" in fit.params.source(k)],
             "comparison": compare(real, simulate_like(run_dir, runs["prediction"], fit.params, hardware=hw))}
 
 
@@ -60,7 +63,8 @@ def _describe(r: dict) -> str:
     effs = ", ".join(f"{k} {v:.2f}" for k, v in r["efficiencies"].items())
     return (f"{cmp_}; prediction run's measured/predicted iteration time {r['speed_ratio']:.3f}; fit |rel error| p50 "
             f"{r['fit']['relative_error_abs_p50']:.1%}, total time {r['fit']['total_time_error']:+.1%}; "
-            f"measured/predicted by kind of iteration: {kinds}; fitted efficiencies {effs}")
+            f"measured/predicted by kind of iteration: {kinds}; fitted efficiencies {effs} (capped at 1 of the "
+            f"ceilings: {', '.join(r['capped']) or 'none'})")
 
 
 @pytest.mark.slow
