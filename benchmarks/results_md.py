@@ -202,6 +202,90 @@ def validation_section(val: dict | None) -> list[str]:
     return out + [""]
 
 
+def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
+    """Issue 18: linear paths (benchmarks/linear.py) and decode-step shares (benchmarks/step_profile.py)."""
+    if not lin:
+        return ["## Linear paths (issue 18)", "", "Run `python benchmarks/linear.py`.", ""]
+    cpu = lin.get("cpu", {})
+    isa = ", ".join(k for k, v in cpu.get("isa", {}).items() if v)
+    out = ["## Linear paths: weights as stored (`benchmarks/linear.py`, issue 18)", "",
+           f"Machine: {cpu.get('model', '?')}, {lin.get('cores')} cores ({isa}); torch {lin.get('torch')}, "
+           f"{lin.get('threads')} threads; run {lin.get('started')}, load average {fmt(lin['load_avg_at_start'][0], 1)} at start, "
+           f"{fmt(lin['load_avg_at_end'][0], 1)} at end (a shared machine: compare paths within a row, as ratios). "
+           f"Read bandwidth {fmt(lin.get('read_bandwidth_GBps'), 1)} GB/s.", ""]
+    for act, rows in lin.get("rows", {}).items():
+        paths = [k for k in next(iter(rows.values())) if not k.startswith("load")]
+        out += [f"All linear layers of the bundled model once (30 layers + LM head), activations {act}: ms (GB/s of the weights as that path stores them)", "",
+                "| rows | " + " | ".join(paths) + " | load |", "|---" * (len(paths) + 2) + "|"]
+        for m, r in rows.items():
+            out.append(f"| {m} | " + " | ".join(f"{r[p]['ms']:.1f} ({r[p]['GBps']:.1f})" for p in paths)
+                       + f" | {fmt(r['load_avg_before'], 1)} |")
+        out.append("")
+    if lin.get("decode"):
+        out += ["Decode, batch 1, 512-token context (median step); floor = (weights as stored + KV read) / read bandwidth; "
+                "16-bit floor = bf16 weights + bf16 KV.", "",
+                "| dtype / path | ms/step | weights MB | floor ms | / floor | / 16-bit floor | load |", "|---|---|---|---|---|---|---|"]
+        for k, v in lin["decode"].items():
+            out.append(f"| {k} | {v['ms_per_step_median']:.1f} | {v['weight_bytes'] / 1e6:.1f} | {v['floor_ms']:.1f} | "
+                       f"{v['vs_floor']:.2f}x | {fmt(v.get('vs_floor16'), 2)}x | {fmt(v['load_avg'], 1)} |")
+        out.append("")
+    if lin.get("prefix"):
+        out += ["Prefill of 2000 new tokens, cold vs after a 16-token prefix-cache hit (ms per new token):", "",
+                "| dtype | cold | after the hit | ratio | load |", "|---|---|---|---|---|"]
+        for k, v in lin["prefix"].items():
+            out.append(f"| {k} | {v['cold_ms_per_token']:.3f} | {v['after_16_token_hit_ms_per_token']:.3f} | "
+                       f"{v['ratio']:.2f}x | {fmt(v['load_avg'], 1)} |")
+        out.append("")
+    if prof:
+        out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares", "",
+                "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for cfg, runs in prof.get("profiles", {}).items():
+            for r in runs:
+                sh = r["share"]
+                out.append(f"| {cfg} | {r['batch']} | {r['step_ms']:.1f} | " + " | ".join(
+                    f"{100 * sh[k]:.0f}%" for k in ("linear", "attention", "model other", "sampling", "engine"))
+                    + f" | {fmt(r['load_avg'][1], 1)} |")
+        out.append("")
+    return out
+
+
+def multihost_section(mh: dict | None) -> list[str]:
+    lines = ["## KV transfer across two simulated hosts (`benchmarks/multihost_kv.py`)", ""]
+    if mh is None:
+        return lines + ["Run `sudo python benchmarks/multihost_kv.py` (network namespaces, a veth pair shaped with tc).", ""]
+    lines += [f"1P1D, prefill in one network namespace and decode in another, KV over a veth pair (Ray object "
+              f"transfer over TCP), {mh['config']['requests']} prompts of {mh['config']['prompt_tokens']} tokens "
+              f"per rate; CPU {mh['machine'].get('cpu_model', '?')}. Bandwidth = KV bytes / (transfer start -> end) "
+              "per request; link bytes = what the veth carried a -> b (KV + protocol).", "",
+              "| shaped link | KV per request (MiB) | bandwidth median (MB/s) | range (MB/s) | achieved / shaped | link bytes / KV bytes |",
+              "|---|---|---|---|---|---|"]
+    for r in mh["rates"]:
+        bw = r["bandwidth_bytes_per_s"]
+        ratio = r["link_bytes_a_to_b"] / r["kv_bytes_total"] if r.get("kv_bytes_total") else None
+        lines.append(f"| {r['rate']} | {fmt((r['kv_bytes_per_request'] or 0) / 2**20, 2)} | "
+                     f"{fmt((bw['median'] or 0) / 1e6)} | {fmt((bw['min'] or 0) / 1e6)}-{fmt((bw['max'] or 0) / 1e6)} | "
+                     f"{fmt(r['achieved_over_shaped'], 2)} | {fmt(ratio, 2)} |")
+    return lines + [""]
+
+
+def soak_section(soak: dict | None) -> list[str]:
+    lines = ["## Soak (`benchmarks/soak.py`)", ""]
+    if soak is None:
+        return lines + ["Run `python benchmarks/soak.py` (10 minutes per mode).", ""]
+    lines += [f"{soak['config']['minutes']:g} minutes per mode, {soak['config']['concurrency']} clients, mixed valid "
+              "(~60%), invalid (~20%, each must be a 400) and dropped streams (~20%); resources after a settling "
+              "pause against the baseline taken after warm-up.", "",
+              "| mode | requests | server errors | RSS baseline -> after (MiB) | KV blocks after | fds baseline -> after | ok |",
+              "|---|---|---|---|---|---|---|"]
+    for r in soak["modes"]:
+        b, a = r["baseline"], r["after_settle"]
+        errors = sum(v for k, v in r["counts"].items() if k.split("_")[-1].startswith("5") and "503" not in k)
+        lines.append(f"| {r['mode']} | {r['requests']} | {errors} | {fmt(b['rss_mib'], 0)} -> {fmt(a['rss_mib'], 0)} | "
+                     f"{a['kv_blocks_used']:g} | {b['fds']} -> {a['fds']} | {'yes' if r['ok'] else 'NO'} |")
+    return lines + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -226,6 +310,9 @@ def main() -> None:
                                  load(os.path.join(ns.results, "serve_vs_peers.json")))
     lines += fidelity_section(fid)
     lines += validation_section(load(os.path.join(ns.results, "sim_validation.json")))
+    lines += linear_section(load(os.path.join(ns.results, "linear.json")), load(os.path.join(ns.results, "step_profile.json")))
+    lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
+    lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")

@@ -8,6 +8,7 @@ process shares the cores (one decode step: 2.4 s spinning vs 0.14 s PASSIVE, mea
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -24,6 +25,42 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     add_fields(g, EngineArgs)  # types, defaults, choices and help from EngineArgs' fields
     g.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
                    help="OpenMP wait policy of this process (default: PASSIVE; 'default' leaves OpenMP's own)")
+
+
+def _add_disagg_args(p: argparse.ArgumentParser) -> None:
+    """Every DisaggConfig field as a flag (its name without the `_s` unit suffix); used only with
+    --mode disagg. Generated, like the engine flags, so a new field is a new flag with its help."""
+    import json
+
+    from phaselab.disagg.config import DisaggConfig
+
+    g = p.add_argument_group("disaggregation (--mode disagg; docs/disaggregation.md)")
+    defaults = DisaggConfig()
+    for f in dataclasses.fields(DisaggConfig):
+        flag = "--" + f.name.removesuffix("_s").replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_text = f.metadata.get("help", "") + f" (default: {default})"
+        kind = type(default)
+        if kind is bool:
+            g.add_argument(flag, dest="disagg_" + f.name, action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)
+        elif kind is dict:
+            g.add_argument(flag, dest="disagg_" + f.name, type=json.loads, default=default, metavar="JSON",
+                           help=help_text + f", e.g. '{{\"{f.name.split('_')[0]}_host\": 1}}'")
+        elif kind is int:  # bytes
+            from phaselab.config import parse_bytes
+
+            g.add_argument(flag, dest="disagg_" + f.name, type=parse_bytes, default=default, metavar="BYTES",
+                           help=help_text)
+        else:  # seconds (None: no bound), or a CPU count
+            g.add_argument(flag, dest="disagg_" + f.name, type=float, default=default,
+                           metavar="SECONDS" if f.name.endswith("_s") else "N", help=help_text)
+
+
+def _disagg_config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from phaselab.disagg.config import DisaggConfig
+
+    return DisaggConfig(**{f.name: getattr(ns, "disagg_" + f.name) for f in dataclasses.fields(DisaggConfig)})
 
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
@@ -87,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: info)")
     _add_engine_args(srv)
+    _add_disagg_args(srv)
     # none of these imports torch: the bench measures over HTTP, analysis reads run directories,
     # the simulator drives core's scheduler on a virtual clock
     from phaselab.analysis.cli import add_analysis_parsers
@@ -131,7 +169,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
         else:
             cfg = engine.model_config
             print(
-                f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}) in "
+                f"loaded {cfg.name or engine.checkpoint_path} ({engine.checkpoint_format}, {engine.dtype}"
+                + (f"; {engine.linear.summary()}" if getattr(engine, "linear", None) else "") + ") in "
                 f"{time.monotonic() - t0:.1f}s; policy {ns.policy}; threads {runtime_settings()}",
                 file=sys.stderr, flush=True,
             )
@@ -192,7 +231,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         drain_timeout_s=ns.drain_timeout,
         record_dir=ns.record,
     )
-    return run_server(_engine_args(ns), config, host=ns.host, port=ns.port, log_level=ns.log_level)
+    disagg_config = _disagg_config(ns) if ns.mode == "disagg" else None
+    return run_server(_engine_args(ns), config, host=ns.host, port=ns.port, log_level=ns.log_level,
+                      disagg_config=disagg_config)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from phaselab.core.routing import POLICIES as ROUTING
 from phaselab.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
+WEIGHTS = ("auto", "quantized", "dequantized")
 MODES = ("colocated", "disagg")
 KV_TRANSPORTS = ("ray-object-store", "ray-actor")
 ROUTING_POLICIES = tuple(ROUTING)  # core.routing's policy names
@@ -38,7 +39,8 @@ def parse_bytes(value: str | int) -> int:
 class EngineArgs:
     model: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer.json or HF directory overriding the model's tokenizer"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto | float32 | bfloat16 (auto: bf16 where the CPU has AMX or AVX512-BF16, else fp32)"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto | float32 | bfloat16 (auto: measured at start-up, bf16 where its GEMM keeps up with fp32, e.g. AMX; cached per CPU)"})
+    weights: str = field(default="auto", metadata={"choices": WEIGHTS, "help": "auto | quantized | dequantized: how linear weights are held. quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (K-quants re-quantized to Q8_0), read by the native kernel; dequantized: widened to the dtype at load, torch matmuls; auto: measured at start-up (env PHASELAB_LINEAR=q|bf16|fp32|torch forces a path)"})
     kv_cache_memory: str | int = field(default="2GiB", metadata={"help": "memory for the paged KV cache, allocated once at start"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     max_model_len: int | None = field(default=None, metadata={"help": "most tokens per request (default: the model's context, capped by the cache)"})
@@ -64,6 +66,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}")
+        if self.weights not in WEIGHTS:
+            raise ConfigError(f"unknown weights option {self.weights!r}; choose one of {', '.join(WEIGHTS)}")
         parse_bytes(self.kv_cache_memory)
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")

@@ -238,3 +238,19 @@ def test_bf16_logits() -> None:
     for row, (token, entry) in enumerate(zip(tokens, logprobs)):
         assert entry is not None and entry.token_id == token
         assert entry.logprob == pytest.approx(ref[row, token].item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-20, 1e-38, 1e-45, 1e-300])
+def test_tiny_temperature_is_greedy_not_token_0(temperature: float) -> None:
+    """x / T overflowed to inf for a tiny T and softmax(inf - inf) was NaN, whose argmax is token 0:
+    every token came out as 0. The argmax is the independent truth here; token 0 is never it."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 1000, generator=gen) * 8 + 20  # logits of ~20 (as a real model's)
+    logits[:, 0] = -50.0
+    expected = logits.argmax(dim=-1).tolist()
+    sampler = Sampler(frozenset({EOS}))
+    requests = [req(temperature=temperature, top_p=p, top_k=k, min_p=m)
+                for p, k, m in ((1.0, 0, 0.0), (0.9, 0, 0.0), (1.0, 50, 0.0), (1.0, 0, 0.1))]
+    for _ in range(5):
+        tokens, _ = sampler.sample(logits, requests)
+        assert tokens == expected

@@ -156,11 +156,10 @@ def test_sdk_other_fields_and_logprobs(server, client):
     # a stop token id ends the output right after it, and says so
     stop_at = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, user="u-1",
                                         extra_body={"stop_token_ids": [ids[3]], "min_tokens": 1, "top_k": 5,
-                                                    "min_p": 0.01, "phaselab_unknown_field": 1})
+                                                    "min_p": 0.01})
     first = ids.index(ids[3])
     assert stop_at.usage.completion_tokens == first + 1
     assert stop_at.choices[0].finish_reason == "stop" and stop_at.choices[0].stop_reason == ids[3]
-    assert "ignoring unknown request fields: phaselab_unknown_field" in server.log()
 
     chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
                                           top_logprobs=2)
@@ -249,8 +248,8 @@ def test_invalid_requests_are_400(server):
     err = assert_openai_error(httpx.post(url + "/v1/completions", content=b"{not json",
                                          headers={"content-type": "application/json"}), 400)
     assert err["type"] == "invalid_request_error"
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        body = {"model": "gpt-4", "prompt": PROMPT, "messages": CHAT}
+    for path, body in (("/v1/completions", {"model": "gpt-4", "prompt": PROMPT}),
+                       ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT})):
         err = assert_openai_error(httpx.post(url + path, json=body), 404, "model")
         assert err["code"] == "model_not_found"
     assert_openai_error(httpx.get(url + "/v1/nothing-here"), 404)

@@ -110,3 +110,5 @@ class EngineStats:
     kv_usage: float  # fraction of KV blocks in use (disaggregated: over every live worker)
     num_blocks_used: int
     records: dict[str, int] = field(default_factory=dict)  # PhaseRecorder.stats()
+    # why no new request can be served now (disaggregated: a role without a live worker); None: it can
+    unavailable: str | None = None

@@ -242,6 +242,7 @@ class DisaggEngine:
                 self.recorder.stamp_sent(out.metrics, sent_ns)
         for r in finished:
             self._close(r, sent_ns if self.stamp_sent else None)
+        self.refresh_gauges()
         return outputs
 
     def mark_delivered(self, request_id: str, sent_ns: int) -> None:
@@ -255,7 +256,24 @@ class DisaggEngine:
         total = sum(s.num_blocks_total for s in stats)
         used = sum(s.num_blocks_used for s in stats)
         return EngineStats(sum(1 for r in reqs if r.phase == "prefill"), sum(1 for r in reqs if r.phase == "decode"),
-                           len(self._requests), used / total if total else 0.0, used, self.recorder.stats())
+                           len(self._requests), used / total if total else 0.0, used, self.recorder.stats(),
+                           unavailable=self.unavailable_reason())
+
+    def unavailable_reason(self) -> str | None:
+        """A role without a live worker (None: new requests can be served); the server answers
+        /health 503 and refuses new work with it, before any prefill is spent."""
+        for role in ("prefill", "decode"):
+            if not any(w.alive for w in self.workers.values() if w.role == role):
+                return f"no live {role} worker ({self._deaths(role)})"
+        return None
+
+    def heartbeat(self) -> None:
+        self._pump(0.0)  # idle: poll the workers anyway, so a death shows before a request needs one
+        self.refresh_gauges()
+
+    def refresh_gauges(self) -> None:  # the router's own: its requests by phase, blocks of live workers
+        s = self.stats()
+        self.metrics.set_gauges(s.num_running, s.num_waiting, s.kv_usage, s.num_blocks_used)
 
     @property
     def finished_requests(self) -> list[RequestMetrics]:

@@ -229,6 +229,7 @@ class DisaggWorker:
 
     def metrics_text(self) -> bytes:
         self.stats()
+        self.engine.refresh_gauges()  # an idle worker runs no iteration that would refresh them
         return self.engine.metrics.render() + self._prom.render()
 
     def check_invariants(self) -> None:

@@ -41,6 +41,8 @@ from phaselab.engine.resolve import resolve
 from phaselab.engine.runner import ModelRunner
 from phaselab.errors import InvalidRequestError
 from phaselab.model.checkpoint import LoadedCheckpoint
+from phaselab.model import linear_probe
+from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
 from phaselab.model.sampler import Sampler
@@ -52,12 +54,11 @@ from phaselab.spec.tokenizer import Tokenizer
 logger = logging.getLogger("phaselab.engine")
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    """auto: bf16 where the CPU has bf16 matmul hardware (AMX or AVX512-BF16), else fp32."""
+def resolve_dtype(name: str) -> tuple[torch.dtype, str]:
+    """auto: measured at start-up (linear_probe.auto_dtype: bf16 where its GEMM keeps up with fp32)."""
     if name == "auto":
-        fast_bf16 = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-        return torch.bfloat16 if fast_bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+        return linear_probe.auto_dtype()
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name], "given"
 
 
 @dataclass
@@ -83,8 +84,10 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         tune_allocator()
-        self.dtype = resolve_dtype(args.dtype)
-        ckpt = checkpoint or load_checkpoint(args.model, self.dtype, args.tokenizer)
+        self.dtype, dtype_reason = resolve_dtype(args.dtype)
+        self.linear = linear_probe.decide(args.weights, self.dtype, linear_probe.has_gguf_blocks(args.model, checkpoint))
+        self.linear.dtype_reason = f"{str(self.dtype).removeprefix('torch.')} ({dtype_reason})"
+        ckpt = checkpoint or load_checkpoint(args.model, self.dtype, args.tokenizer, self.linear.keep_packed)
         self.model_config = config = ckpt.config
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.checkpoint_path, self.checkpoint_format = ckpt.path, ckpt.format
@@ -118,8 +121,8 @@ class LLMEngine:
         if args.measure_ceilings:
             self.record_ceilings()
         logger.info(
-            "engine ready: %s (%s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
-            config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, num_blocks,
+            "engine ready: %s (%s, %s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
+            config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, self.linear.summary(), num_blocks,
             args.block_size, max_model_len, args.policy, self.scheduler_config.max_num_batched_tokens, runtime_settings(),
         )
 
@@ -144,9 +147,11 @@ class LLMEngine:
         """The model step of construction: modules on the meta device, then the checkpoint's weights."""
         with torch.device("meta"):
             model = LlamaForCausalLM(ckpt.config, max_positions=max_model_len)
+        weights = dict(ckpt.weights)  # install() swaps entries; a shared checkpoint stays as loaded
+        self.linear_summary = install_linear(model, weights, self.linear.path, self.dtype, self.linear.max_native_rows)
         model = model.to_empty(device="cpu").to(self.dtype)
         model.rotary.__init__(ckpt.config, max_model_len)  # buffers were on the meta device
-        model.load_weights(ckpt.weights, source=ckpt.path)
+        model.load_weights(weights, source=ckpt.path)
         model.eval()
         return model
 
@@ -429,6 +434,7 @@ class LLMEngine:
             "model": {"path": self.checkpoint_path, "format": self.checkpoint_format,
                       "config": dataclasses.asdict(self.model_config)},
             "dtype": str(self.dtype).removeprefix("torch."),
+            "linear": {**linear_probe.to_json(self.linear), **self.linear_summary},
             "worker": self.worker,
             "role": self.role,
             "engine_args": dataclasses.asdict(self.args),

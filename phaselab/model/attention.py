@@ -5,8 +5,9 @@ live in the blocks of its block table, token p in block `table[p // block_size]`
 `p % block_size`. Every iteration first writes the new K/V through `slot_mapping`, then:
 
 - multi-token chunks (prefill, or recompute after preemption) attend one request at a time:
-  straight to their own fresh K/V when nothing is cached before them, else to the cached prefix
-  read through the block table plus the chunk, with a causal mask offset by the prefix length;
+  straight to their own fresh K/V when nothing is cached before them, else causally to their
+  own K/V plus, in a second pass merged by log-sum-exp, to the cached prefix read through the
+  block table (`attend_after_prefix`: no masked pass over the whole context);
 - single-token queries (decode) attend together in one batched call. With the native kernel
   (`kernels/paged_decode.c`, the default wherever a C compiler exists) each request's K/V rows are
   read in place through its block table, once per layer, for all query heads of their group.
@@ -64,6 +65,39 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     return cache[block_table].view(-1, kvh, hd)[:length].transpose(0, 1)
 
 
+_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_after_prefix(
+    q: torch.Tensor,  # (1, H, n, hd): a chunk's queries at positions start..start+n-1
+    k_new: torch.Tensor,  # (1, kvh, n, hd): the chunk's keys/values
+    v_new: torch.Tensor,
+    k_pre: torch.Tensor,  # (1, kvh, start, hd): the cached prefix's
+    v_pre: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a chunk that follows `start` cached tokens, at the cost of a cold chunk.
+
+    One masked SDPA over prefix + chunk runs the whole (n, start + n) score matrix (torch's CPU
+    kernel skips no masked block). Instead: flash attention with is_causal over the chunk itself
+    (its upper triangle skipped), a second over the prefix (every query sees all of it), merged
+    exactly by their log-sum-exps: out = (e^l1 o1 + e^l2 o2) / (e^l1 + e^l2).
+    """
+    if _flash is None:  # an older torch without the op: one masked call (same result, slower)
+        ctx = k_pre.shape[2] + k_new.shape[2]
+        mask = torch.arange(ctx)[None, :] <= torch.arange(k_pre.shape[2], ctx)[:, None]
+        return F.scaled_dot_product_attention(q, torch.cat([k_pre, k_new], 2), torch.cat([v_pre, v_new], 2),
+                                              attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k_new.shape[1])
+    o1, l1 = _flash(q, k_new, v_new, 0.0, True, scale=scale)
+    if k_pre.shape[2] == 0:
+        return o1
+    o2, l2 = _flash(q, k_pre, v_pre, 0.0, False, scale=scale)
+    m = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
+    inv = 1.0 / (w1 + w2)
+    return (o1.float() * (w1 * inv).unsqueeze(-1) + o2.float() * (w2 * inv).unsqueeze(-1)).to(q.dtype)
+
+
 def paged_attention(
     q: torch.Tensor,  # (T, H, hd)
     k: torch.Tensor,  # (T, kvh, hd)
@@ -85,14 +119,12 @@ def paged_attention(
             vs = v[rows].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=H != kvh)
         else:
-            ctx = seq.start_position + n
-            ks = gather_context(kv_cache[0], seq.block_table, ctx).unsqueeze(0)  # (1, kvh, ctx, hd)
-            vs = gather_context(kv_cache[1], seq.block_table, ctx).unsqueeze(0)
-            # query i sits at position start+i and sees keys 0..start+i
-            key_pos = torch.arange(ctx)
-            q_pos = torch.arange(seq.start_position, ctx)
-            mask = key_pos[None, :] <= q_pos[:, None]  # (n, ctx)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=H != kvh)
+            start = seq.start_position
+            kp = gather_context(kv_cache[0], seq.block_table, start).unsqueeze(0)  # (1, kvh, start, hd)
+            vp = gather_context(kv_cache[1], seq.block_table, start).unsqueeze(0)
+            kn = k[rows].transpose(0, 1).unsqueeze(0)  # the chunk's own K/V, as just written
+            vn = v[rows].transpose(0, 1).unsqueeze(0)
+            o = attend_after_prefix(qs, kn, vn, kp, vp, scale)
         out[rows] = o.squeeze(0).transpose(0, 1)
     if meta.decode_rows is not None:
         assert meta.decode_block_tables is not None

@@ -108,8 +108,12 @@ def _dequantize(tensor: Any, hf_shape: tuple[int, ...], dtype: torch.dtype) -> t
     return torch.from_numpy(array.reshape(hf_shape)).to(dtype)
 
 
-def load_gguf(path: str, dtype: torch.dtype, tokenizer_path: str | None = None) -> LoadedCheckpoint:
-    """Read, check and dequantize a GGUF checkpoint (see module docstring for the conversions)."""
+def load_gguf(path: str, dtype: torch.dtype, tokenizer_path: str | None = None,
+              keep_packed: bool = False) -> LoadedCheckpoint:
+    """Read, check and dequantize a GGUF checkpoint (see module docstring for the conversions).
+
+    keep_packed: quantized matrices stay in their blocks as `quant.PackedTensor`s (the native
+    linear path, `phaselab/model/linear.py`) instead of being dequantized here."""
     gguf = _gguf()
     reader = open_gguf(path)
     metadata = read_metadata(reader)
@@ -146,11 +150,21 @@ def load_gguf(path: str, dtype: torch.dtype, tokenizer_path: str | None = None) 
     weights: dict[str, torch.Tensor] = {}
     quant_types: dict[str, int] = {}
     for name, t in hf_tensors.items():
-        w = _dequantize(t, shapes[name], dtype)
+        heads = None
         if permute and ".self_attn.q_proj." in name:
-            w = _unpermute_rows(w, config.num_attention_heads)
+            heads = config.num_attention_heads
         elif permute and ".self_attn.k_proj." in name:
-            w = _unpermute_rows(w, config.num_key_value_heads)
-        weights[name] = w.contiguous()
+            heads = config.num_key_value_heads
+        packed = None
+        if keep_packed:
+            from phaselab.model import quant
+
+            exact = (lambda dt, t=t, shape=shapes[name]: _dequantize(t, shape, dt))
+            packed = quant.from_gguf(t, shapes[name], exact)
+        if packed is not None:  # rows are independent in block storage: permute the packed rows
+            weights[name] = packed if heads is None else packed.map_rows(lambda w, h=heads: _unpermute_rows(w, h))
+        else:
+            w = _dequantize(t, shapes[name], dtype)
+            weights[name] = (w if heads is None else _unpermute_rows(w, heads)).contiguous()
         quant_types[t.tensor_type.name] = quant_types.get(t.tensor_type.name, 0) + 1
     return LoadedCheckpoint(config, weights, tokenizer, path, "gguf", quant_types)

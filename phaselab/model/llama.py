@@ -166,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # set by linear.install on the native paths: the LM head over packed weights
+        self.head: nn.Module | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -186,7 +188,8 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             h = h[logits_indices]  # only the rows that sample go through the norm and LM head
         h = self.model.norm(h)
-        return F.linear(h, self.lm_head_weight).float()  # (rows, vocab) fp32
+        logits = self.head(h) if self.head is not None else F.linear(h, self.lm_head_weight)
+        return logits.float()  # (rows, vocab) fp32
 
     # -- loading ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -198,6 +201,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
 
         def put(dst: str, *srcs: str) -> None:
+            if dst not in params:  # held by a packed layer (linear.install)
+                return
             params[dst].copy_(torch.cat([weights[s] for s in srcs], dim=0))
 
         put("model.embed_tokens.weight", "model.embed_tokens.weight")

@@ -37,12 +37,14 @@ _HARMLESS_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_checkpoint(
-    path: str | None, dtype: torch.dtype = torch.float32, tokenizer_path: str | None = None
+    path: str | None, dtype: torch.dtype = torch.float32, tokenizer_path: str | None = None,
+    keep_packed: bool = False,
 ) -> LoadedCheckpoint:
     """Load and check a model. ``path``: an HF directory, a ``.gguf`` file, or None (the default model).
 
     ``tokenizer_path`` replaces the checkpoint's own tokenizer (an HF directory, a
     tokenizer.json, or a .gguf); needed for GGUFs whose vocabulary phaselab cannot rebuild.
+    ``keep_packed``: a GGUF's quantized matrices stay in their blocks (see gguf_loader.load_gguf).
     """
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ConfigError(f"dtype must be a floating-point torch dtype, got {dtype!r}")
@@ -64,7 +66,7 @@ def load_checkpoint(
                 f"{path} is neither a GGUF file (no GGUF magic bytes) nor a directory; pass a Hugging "
                 "Face model directory or a .gguf file"
             )
-        checkpoint = load_gguf(path, dtype, tokenizer_path)
+        checkpoint = load_gguf(path, dtype, tokenizer_path, keep_packed)
     _reconcile_tokenizer(checkpoint)
     return checkpoint
 

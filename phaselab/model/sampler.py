@@ -129,8 +129,14 @@ class Sampler:
         num_rows, vocab_size = x.shape
         device = x.device
         params = [r.sampling_params for r in requests]
+        # Shift each row so its largest logit is 0 before dividing: x / T overflows to inf for a
+        # tiny T (1e-38 with logits ~20), and softmax(inf - inf) is NaN, whose argmax was token 0
+        # every time. Shifted, a tiny T only pushes the other logits towards -inf (softmax is
+        # shift-invariant, so nothing else changes), and the draw picks the top token: greedy.
+        # The clamp keeps a T that float32 cannot hold (1e-50 -> 0) from dividing 0 by 0.
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        x = x / temperature[:, None]  # (S, V)
+        temperature.clamp_(min=torch.finfo(torch.float32).tiny)
+        x = (x - x.amax(dim=-1, keepdim=True)) / temperature[:, None]  # (S, V)
 
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         top_p = [p.top_p for p in params]

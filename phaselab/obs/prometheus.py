@@ -9,7 +9,9 @@ tests) live in one process without clashing, and nothing registers globally. Con
     prefix cache ──▶ add_prefix_cache(queried, hit) (token deltas)
     /metrics     ◀── render()
 
-docs/metrics.md maps every name to the nearest vLLM metric.
+docs/metrics.md maps every name to the nearest vLLM metric. `enable_vllm_names(model_name)` adds,
+in the same registry, the vLLM metrics of the same meaning under vLLM's names and labels
+(`model_name`, `engine`), so a vLLM dashboard's queries work unchanged.
 """
 
 from __future__ import annotations
@@ -99,6 +101,13 @@ class EngineMetrics:
         # pre-create every reason so a dashboard sees 0 rather than a missing series
         self.success = {r: self._success.labels(**self.const_labels, finished_reason=r) for r in FINISHED_REASONS}
 
+        self.vllm: VllmMetrics | None = None
+
+    def enable_vllm_names(self, model_name: str, engine: str = "0") -> None:
+        """Also export vLLM's names (idempotent); the server calls it with the served model name."""
+        if self.vllm is None:
+            self.vllm = VllmMetrics(self.registry, model_name, engine)
+
     def _bind(self, metric: Metric) -> Metric:
         # prometheus_client refuses .labels() on a metric declared without label names
         return metric.labels(**self.const_labels) if self.const_labels else metric
@@ -113,6 +122,8 @@ class EngineMetrics:
             if n > 0:
                 self.iteration_tokens[phase].observe(n)
         self.preemptions.inc(len(rec.preempted_request_ids))
+        if self.vllm is not None:
+            self.vllm.observe_iteration(rec)
         self.set_gauges(num_running, num_waiting, kv_usage, blocks_used)
 
     def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float, blocks_used: int) -> None:
@@ -121,6 +132,8 @@ class EngineMetrics:
         self.num_waiting.set(num_waiting)
         self.kv_usage.set(kv_usage)
         self.kv_blocks_used.set(blocks_used)
+        if self.vllm is not None:
+            self.vllm.set_gauges(num_running, num_waiting, kv_usage)
 
     def observe_finished(self, m: RequestMetrics) -> None:
         """Everything a finished (or aborted) request contributes; phases it never reached are skipped."""
@@ -144,15 +157,90 @@ class EngineMetrics:
         if reason not in self.success:  # an unforeseen reason still gets a series
             self.success[reason] = self._success.labels(**self.const_labels, finished_reason=reason)
         self.success[reason].inc()
+        if self.vllm is not None:
+            self.vllm.observe_finished(m, reason)
 
     def add_prefix_cache(self, queries_tokens: int, hit_tokens: int) -> None:
         """Deltas since the last call, in tokens (as vLLM counts them)."""
         self.prefix_queries.inc(queries_tokens)
         self.prefix_hits.inc(hit_tokens)
+        if self.vllm is not None:
+            self.vllm.prefix_queries.inc(queries_tokens)
+            self.vllm.prefix_hits.inc(hit_tokens)
 
     def render(self) -> bytes:
         """Prometheus text exposition format (what GET /metrics returns)."""
         return generate_latest(self.registry)
+
+
+class VllmMetrics:
+    """vLLM's metric names and labels (`model_name`, `engine`) fed from the same records as the
+    phaselab_* ones; docs/metrics.md says where the definitions differ."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str) -> None:
+        labels = {"model_name": model_name, "engine": engine}
+        names = list(labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, registry=registry, buckets=buckets).labels(**labels)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, names, registry=registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(**labels)
+
+        R, S = REQUEST_SECONDS_BUCKETS, STEP_SECONDS_BUCKETS
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token (phaselab: arrived -> sent).", R)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Inter-token latency (gaps between sent tokens).", S)
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Per request (e2e - ttft) / (n - 1).", S)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", R)
+        self.queue = histogram("vllm:request_queue_time_seconds", "Queued -> first scheduled.", R)
+        self.prefill = histogram("vllm:request_prefill_time_seconds", "Prefill span (first to last chunk).", R)
+        self.decode = histogram("vllm:request_decode_time_seconds", "First token sampled -> finished.", R)
+        self.prompt_len = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS)
+        self.output_len = histogram("vllm:request_generation_tokens", "Output tokens per request.", TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step.", TOKEN_BUCKETS)
+        self.running = gauge("vllm:num_requests_running", "Requests running.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0-1 (1 = 100%).")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens (counted at finish).")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens (counted at finish).")
+        self.preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._success = Counter("vllm:request_success", "Finished requests by finished_reason.",
+                                [*names, "finished_reason"], registry=registry)
+        self._labels = labels
+        self.success = {r: self._success.labels(**labels, finished_reason=r) for r in FINISHED_REASONS}
+
+    def observe_iteration(self, rec: IterationRecord) -> None:
+        total = rec.num_prefill_tokens + rec.num_decode_tokens
+        if total > 0:
+            self.iteration_tokens.observe(total)
+        self.preemptions.inc(len(rec.preempted_request_ids))
+
+    def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
+    def observe_finished(self, m: RequestMetrics, reason: str) -> None:
+        _observe(self.ttft, [m.ttft_s])
+        _observe(self.itl, m.itl_s)
+        _observe(self.tpot, [m.tpot_s])
+        _observe(self.e2e, [m.e2e_s])
+        _observe(self.queue, [m.queue_s])
+        if m.prefill_chunks:
+            _observe(self.prefill, [m.prefill_span_s])
+        _observe(self.decode, [m.decode_s])
+        self.prompt_len.observe(m.num_prompt_tokens)
+        self.output_len.observe(len(m.token_sampled_ns))
+        self.prompt_tokens.inc(m.num_prompt_tokens)
+        self.generation_tokens.inc(len(m.token_sampled_ns))
+        if reason not in self.success:
+            self.success[reason] = self._success.labels(**self._labels, finished_reason=reason)
+        self.success[reason].inc()
 
 
 def _observe(hist: Histogram, values: Iterable[float | None]) -> None:

@@ -1,8 +1,10 @@
 """The OpenAI-compatible HTTP server: routes, the edge middleware, lifecycle and shutdown.
 
-    request ─▶ _Edge (arrival stamp, API key, body size) ─▶ route
-       generation routes: admission (loading / draining / dead / queue full -> 503) BEFORE the body
-       is tokenized ─▶ serving.py (parse, tokenize, fan out) ─▶ EngineThread ─▶ GenerationResponse
+    request ─▶ _Edge (arrival stamp, API key, body size; any escaped exception -> 500, connection kept)
+       generation routes: admission AT ARRIVAL, before the body is read (loading / draining / dead /
+       a disaggregated role without workers / queue full -> 503); the admitted request holds a queue
+       slot until the engine thread counts it ─▶ route ─▶ serving.py (parse strictly, tokenize,
+       fan out) ─▶ EngineThread ─▶ GenerationResponse
 
     SIGTERM / SIGINT ─▶ draining: generation routes and /health answer 503
        ─▶ wait until every in-flight response is done, at most --drain-timeout seconds
@@ -47,6 +49,7 @@ from phaselab.server.protocol import (
 logger = logging.getLogger("phaselab.server")
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
 BUNDLED_MODEL_NAME = "smollm2-135m"
 
 
@@ -82,8 +85,10 @@ class ServerState:
     def __init__(self, config: ServerConfig, engine: EngineThread) -> None:
         self.config = config
         self.engine = engine
+        engine.model_name = config.model_name
         self.draining = False
         self.num_active = 0  # generation requests between admission and their last byte
+        self.num_reserved = 0  # generation requests admitted at arrival, not yet handed to the engine
         self._idle = asyncio.Event()
         self._idle.set()
         self.tokens: serving.TokenStrings | None = None
@@ -92,8 +97,11 @@ class ServerState:
         self.is_shut_down = False
 
     # -- admission -------------------------------------------------------------------------------------
-    def admit(self, num_requests: int = 1) -> None:
-        """503 unless a new generation request may start now; checked before tokenization."""
+    def admit(self, reserve: bool = False) -> None:
+        """503 unless a new generation request may start now. Checked when the request arrives,
+        before its body is read: `reserve` then holds one queue slot for it until its engine
+        requests are handed to the engine thread (`release_reservation`), so a burst of
+        simultaneous arrivals counts every member at once."""
         if self.draining:
             raise unavailable("the server is shutting down", code="draining", retry_after_s=self.config.retry_after_s)
         status = self.engine.status
@@ -102,10 +110,24 @@ class ServerState:
         if status != "ready":
             raise unavailable(self.engine.error or f"the engine is {status}", code="engine_unavailable",
                               retry_after_s=None)
+        if self.engine.unavailable is not None:  # disagg: a role has no live worker; refuse before any prefill
+            raise unavailable(f"{self.engine.unavailable}; retry later or restart the server",
+                              code="no_live_worker", retry_after_s=self.config.retry_after_s)
         limit = self.config.max_queued_requests
-        if self.engine.num_waiting >= limit:
-            raise unavailable(f"too many requests are waiting ({self.engine.num_waiting}, limit {limit}); retry later",
+        waiting = self.engine.num_waiting + self.num_reserved
+        if waiting >= limit:
+            raise unavailable(f"too many requests are waiting ({waiting}, limit {limit}); retry later",
                               code="queue_full", retry_after_s=self.config.retry_after_s)
+        if reserve:
+            self.num_reserved += 1
+
+    def release_reservation(self, scope: Scope) -> None:
+        """Idempotent: the slot goes back when the engine thread took the request (its adds then
+        count in engine.num_waiting) or when the request ends without reaching the engine."""
+        st = scope.get("state", {})
+        if st.get("reserved"):
+            st["reserved"] = False
+            self.num_reserved -= 1
 
     def enter(self) -> None:
         self.num_active += 1
@@ -147,30 +169,74 @@ class _BodyTooLarge(APIError):
 
 
 class _Edge:
-    def __init__(self, app: ASGIApp, config: ServerConfig) -> None:
+    """Outermost layer of the app (inside it Starlette's own): stamps arrival, checks the API key
+    and the body size, reserves a queue slot for generation routes before their body is read,
+    and turns any exception that escaped the routes into a 500 in OpenAI's shape without
+    dropping the keep-alive connection (Starlette's ServerErrorMiddleware re-raises, and uvicorn
+    then closes the connection)."""
+
+    def __init__(self, app: ASGIApp, config: ServerConfig, state: ServerState) -> None:
         self.app = app
         self.config = config
-        self._key = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.state = state
+        self._key = config.api_key.encode() if config.api_key else None
+
+    def _authorized(self, header: bytes) -> bool:
+        """RFC 7235: the scheme is case-insensitive ("bearer", "BEARER"); the key is compared in
+        constant time."""
+        assert self._key is not None
+        scheme, _, token = header.strip().partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        started = False
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        reserved = False
+        try:
+            reserved = await self._handle(scope, receive, tracked_send)
+        except Exception as exc:  # noqa: BLE001 - the last line of defence: answer, keep the connection
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                await _send_error(send, APIError(500, f"internal error: {type(exc).__name__}: {exc}; the server "
+                                                      "log has the traceback"))
+        finally:
+            if reserved:
+                self.state.release_reservation(scope)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send) -> bool:
+        """Returns whether a queue slot was reserved for this request (released by the caller)."""
         scope.setdefault("state", {})["arrived_ns"] = time.monotonic_ns()
         headers = dict(scope["headers"])
         if self._key is not None and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self._key):
+            if not self._authorized(headers.get(b"authorization", b"")):
                 await _send_error(send, APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                                 code="invalid_api_key"))
-                return
+                                                 code="invalid_api_key",
+                                                 headers={"WWW-Authenticate": 'Bearer realm="phaselab"'}))
+                return False
         limit = self.config.max_request_bytes
         too_large = _BodyTooLarge(413, f"the request body is larger than the server's limit of {limit} bytes "
                                         "(--max-request-bytes)", code="request_too_large")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await _send_error(send, too_large)
-            return
+            return False
+        reserved = False
+        if scope["method"] == "POST" and scope["path"] in GENERATION_ROUTES:
+            try:  # admission at arrival: a burst cannot pass the queue limit while its bodies are read
+                self.state.admit(reserve=True)
+            except APIError as e:
+                await _send_error(send, e)
+                return False
+            scope["state"]["reserved"] = reserved = True
         received = 0
 
         async def counted_receive() -> Message:
@@ -182,7 +248,11 @@ class _Edge:
                     raise too_large
             return message
 
-        await self.app(scope, counted_receive, send)
+        try:
+            await self.app(scope, counted_receive, send)
+        except _BodyTooLarge as e:  # raised while a route read the body; Starlette lets it through
+            await _send_error(send, e)
+        return reserved
 
 
 async def _send_error(send: Send, err: APIError) -> None:
@@ -207,8 +277,13 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await shutdown_engine(state)
 
-    app = FastAPI(title="phaselab", lifespan=lifespan)
+    import phaselab
+    from phaselab.server.openapi import build_openapi
+
+    app = FastAPI(title="phaselab", version=phaselab.__version__, lifespan=lifespan)
     app.state.server = state
+    schema = build_openapi("phaselab", phaselab.__version__, api_key=state.config.api_key is not None)
+    app.openapi = lambda: schema  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -218,22 +293,23 @@ def create_app(state: ServerState) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error_response(APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})))
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in %s %s", request.method, request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+    # any other exception reaches _Edge, which answers 500 and keeps the connection open
 
     @app.get("/health")
     async def health() -> Response:
         status = state.engine.status
         if state.draining:
             status = "draining"
+        if status == "ready" and state.engine.unavailable is not None:
+            status = "degraded"
         ok = status == "ready"
         body: dict[str, Any] = {"status": "ok" if ok else status, "num_running": state.engine.num_running,
                                 "num_waiting": state.engine.num_waiting,
                                 "records": state.engine.records}  # what the phase recorder holds
         if state.engine.error and status in (DEAD, FAILED):
             body["error"] = state.engine.error
+        if status == "degraded":
+            body["reason"] = state.engine.unavailable
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/version")
@@ -260,15 +336,11 @@ def create_app(state: ServerState) -> FastAPI:
         tok = state.info.tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise invalid("give exactly one of prompt or messages", param="prompt")
-        try:
-            if req.messages is not None:
-                text = tok.apply_chat_template(serving.chat_messages(req.messages),
-                                               add_generation_prompt=req.add_generation_prompt)
-                ids = tok.encode(text, add_special_tokens=False)
-            else:
-                ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        except InvalidRequestError as e:
-            raise invalid(str(e), param="messages") from None
+        if req.messages is not None:
+            text = serving.render_chat(tok, req.messages, req.add_generation_prompt, None)
+            ids = tok.encode(text, add_special_tokens=False)
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
         tokens = state.token_strings()
         return {"count": len(ids), "max_model_len": state.info.max_model_len, "tokens": ids,
                 "token_strs": [tokens.text(t) for t in ids]}
@@ -289,15 +361,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        state.admit()
         return await _generate(state, request, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        state.admit()
         return await _generate(state, request, "chat")
 
-    app.add_middleware(_Edge, config=state.config)
+    app.add_middleware(_Edge, config=state.config, state=state)
     return app
 
 
@@ -325,12 +395,7 @@ async def _prepare(state: ServerState, request: Request, kind: str) -> Response:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= serving.MAX_LOGPROBS:
             raise invalid(f"top_logprobs must be between 0 and {serving.MAX_LOGPROBS}", param="top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        kwargs = req.chat_template_kwargs or {}
-        try:
-            text = tok.apply_chat_template(serving.chat_messages(req.messages),
-                                           add_generation_prompt=req.add_generation_prompt, **kwargs)
-        except InvalidRequestError as e:
-            raise invalid(str(e), param="messages") from None
+        text = serving.render_chat(tok, req.messages, req.add_generation_prompt, req.chat_template_kwargs)
         prompts: list[tuple[list[int], str | None]] = [(tok.encode(text, add_special_tokens=False), None)]
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -350,6 +415,8 @@ async def _prepare(state: ServerState, request: Request, kind: str) -> Response:
                 prompts.append((p, None))
         max_tokens, max_param, prompt_param, echo = req.max_tokens, "max_tokens", "prompt", req.echo
     tokenized_ns = time.monotonic_ns()
+    if req.stop_token_ids:
+        serving.check_token_ids(req.stop_token_ids, vocab, "stop_token_ids")
     if req.n < 1:
         raise invalid("n must be at least 1", param="n")
     num_choices = len(prompts) * req.n
@@ -371,7 +438,10 @@ async def _prepare(state: ServerState, request: Request, kind: str) -> Response:
                                   num_prompt_tokens=len(r.prompt_token_ids), num_logprobs=num_logprobs,
                                   echo_text=echoes[r.index // req.n][0], echo_token_ids=echoes[r.index // req.n][1],
                                   echo_logprobs=echoes[r.index // req.n][2]) for r in new]
-        queue = await state.engine.add(new, arrived_ns, tokenized_ns)  # nothing may fail after this
+        # the reservation ends where the engine thread starts counting them as pending adds
+        queue = await state.engine.add(new, arrived_ns, tokenized_ns,
+                                       on_submitted=lambda: state.release_reservation(request.scope))
+        # nothing may fail after this
     except InvalidRequestError as e:
         raise invalid(str(e), param=prompt_param) from None
     except EngineUnavailable as e:
@@ -448,7 +518,7 @@ async def shutdown_engine(state: ServerState) -> None:
 
 
 def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", port: int = 8000,
-               log_level: str = "info") -> int:
+               log_level: str = "info", disagg_config: Any = None) -> int:
     """Serve until SIGTERM/SIGINT, then drain and return the exit code (0 after a clean drain)."""
     import uvicorn
 
@@ -457,7 +527,7 @@ def run_server(engine_args: Any, config: ServerConfig, host: str = "127.0.0.1", 
     def build_engine() -> Any:
         # without --record nothing reads the kept records, and a long-running server would
         # accumulate every iteration and request forever: observe them into Prometheus and drop them
-        return make_engine(engine_args, keep_records=config.record_dir is not None)
+        return make_engine(engine_args, keep_records=config.record_dir is not None, disagg_config=disagg_config)
 
     state = ServerState(config, EngineThread(build_engine))
     app = create_app(state)

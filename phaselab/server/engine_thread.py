@@ -42,6 +42,7 @@ from phaselab.core.timing import RequestMetrics
 logger = logging.getLogger("phaselab.server")
 
 LOADING, READY, DEAD, FAILED, STOPPED = "loading", "ready", "dead", "failed", "stopped"
+HEARTBEAT_S = 0.5  # idle engines with a heartbeat() (disagg: poll the workers) run it this often
 
 
 class EngineUnavailable(Exception):
@@ -94,6 +95,7 @@ class EngineThread:
 
     def __init__(self, make_engine: Callable[[], Any]) -> None:
         self._make_engine = make_engine
+        self.model_name: str | None = None  # the served name: labels the vLLM-named metrics
         self.engine: Any = None  # set once loaded; only the engine thread may call into it
         self.status = LOADING
         self.error: str | None = None
@@ -103,6 +105,7 @@ class EngineThread:
         self._ready: asyncio.Event | None = None
         # event-loop view of the engine, refreshed after every step and command batch
         self.num_engine_waiting = 0
+        self.unavailable: str | None = None  # why no new request can be served (disagg: a role has no live worker)
         self.num_running = 0
         self.num_unfinished = 0
         self.records: dict[str, int] = {}  # what the engine's phase recorder holds (engine.stats().records)
@@ -144,8 +147,10 @@ class EngineThread:
         if self.status != READY:
             raise EngineUnavailable(self.error or f"the engine is {self.status}")
 
-    async def add(self, requests: list[NewRequest], arrived_ns: int, tokenized_ns: int) -> asyncio.Queue[Delta]:
+    async def add(self, requests: list[NewRequest], arrived_ns: int, tokenized_ns: int,
+                  on_submitted: Callable[[], None] | None = None) -> asyncio.Queue[Delta]:
         """Add engine requests (all or none); their Deltas arrive on the returned queue.
+        `on_submitted` runs as soon as they count in `num_waiting` (before the engine took them).
 
         Raises InvalidRequestError (the engine refused them) or EngineUnavailable.
         """
@@ -154,6 +159,8 @@ class EngineThread:
         q: asyncio.Queue[Delta] = asyncio.Queue()
         fut: asyncio.Future[Any] = self._loop.create_future()
         self._num_pending_adds += len(requests)
+        if on_submitted is not None:
+            on_submitted()
         self._commands.put(("add", requests, arrived_ns, tokenized_ns, q, fut))
         try:
             await fut
@@ -206,9 +213,11 @@ class EngineThread:
         self._num_pending_adds -= num_adds
         if stats is None:
             self.num_engine_waiting = self.num_running = self.num_unfinished = 0
+            self.unavailable = None
         else:
             self.num_engine_waiting, self.num_running = stats.num_waiting, stats.num_running
             self.num_unfinished, self.records = stats.num_unfinished, stats.records
+            self.unavailable = stats.unavailable
         if status is not None:
             self.status, self.error = status
             if self._ready is not None and status[0] != LOADING:
@@ -228,6 +237,8 @@ class EngineThread:
             engine = self._make_engine()
             engine.stamp_sent = False  # the server stamps token_sent_ns at the socket
             self._metrics = engine.metrics
+            if self.model_name is not None and hasattr(engine.metrics, "enable_vllm_names"):
+                engine.metrics.enable_vllm_names(self.model_name)  # vLLM dashboards work unchanged
             self.engine = engine
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
             logger.exception("the engine failed to load")
@@ -235,10 +246,20 @@ class EngineThread:
             self._serve_dead()
             return
         self._flush(status=(READY, None))
+        # an engine with workers of its own (disagg) is checked even while idle: a dead role must
+        # show in /health and admission before the next request arrives, not after it failed
+        heartbeat = getattr(engine, "heartbeat", None)
         while not self._stopping:
-            self._apply_commands(block=not engine.has_unfinished_requests())
+            idle = not engine.has_unfinished_requests()
+            self._apply_commands(block=idle, timeout_s=HEARTBEAT_S if heartbeat is not None else None)
             if self._stopping or self._dead:
                 break
+            if heartbeat is not None and not engine.has_unfinished_requests():
+                try:
+                    heartbeat()
+                except Exception as e:  # noqa: BLE001 - as a failed step
+                    self._die(e)
+                    break
             if engine.has_unfinished_requests():
                 try:
                     outputs = engine.step()
@@ -263,9 +284,9 @@ class EngineThread:
             self._apply_commands(block=True)
             self._flush()
 
-    def _apply_commands(self, block: bool) -> None:
+    def _apply_commands(self, block: bool, timeout_s: float | None = None) -> None:
         try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -1,47 +1,67 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic models).
 
-Requests accept extra fields (they are logged and ignored, see `unknown_fields`); fields OpenAI
-defines that phaselab does not implement are rejected with a 400 when they would change the
-output (`UNSUPPORTED`), so a client never silently gets something other than what it asked for.
-Responses follow OpenAI's shapes; `stop_reason` (the stop string or token id that ended a choice)
-is an extension that vLLM also sends.
+Requests are strict: a field a model does not declare is a 400 naming it (OpenAI answers an
+unknown parameter the same way), so a misspelling (`max_token`, `temprature`) or a feature
+phaselab does not implement (`guided_json`, `tool_choice`, `echo` on chat, ...) never silently
+gets defaults. The declared fields are the allow-list: OpenAI's fields phaselab implements plus
+the vLLM extensions in `VENDOR_EXTENSIONS`. OpenAI fields phaselab declares but does not
+implement are rejected with a 400 when they would change the output (`UNSUPPORTED`).
+The same models publish /openapi.json (server/openapi.py). Responses follow OpenAI's shapes;
+`stop_reason` (the stop string or token id that ended a choice) is an extension that vLLM also sends.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, model_serializer
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    def unknown_fields(self) -> list[str]:
-        return sorted(self.model_extra or {})
+    # strict: "1" is not an int and 0 not a bool (the schema says so; a lax parse would accept
+    # what /openapi.json rejects)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+# vLLM's extensions that phaselab implements (docs/server.md); every other non-OpenAI field is a 400
+VENDOR_EXTENSIONS = ("top_k", "min_p", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
+                     "skip_special_tokens", "return_tokens_as_token_ids", "add_generation_prompt", "chat_template_kwargs")
+MAX_TEMPERATURE = 2.0  # OpenAI's bound
+
+_MESSAGE_SCHEMA = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string"},
+    "content": {"anyOf": [{"type": "string"}, {"type": "null"}, {"type": "array", "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
+    "name": {"type": "string"}}}
+Messages = Annotated[list[dict[str, Any]], WithJsonSchema({"type": "array", "minItems": 1, "items": _MESSAGE_SCHEMA})]
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+Prompt = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}, _TOKEN_IDS,
+    {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]})]
 
 
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None  # None: 1.0
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=MAX_TEMPERATURE)  # None: 1.0; 0: greedy
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = 1
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # checked against the vocabulary too
+    n: int = Field(default=1, ge=1)
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -69,18 +89,18 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any = None  # str | list[str] | list[int] | list[list[int]], checked by the server
-    max_tokens: int | None = 16  # OpenAI's default for completions
-    logprobs: int | None = None  # top alternatives per token (the sampled one is always added)
+    prompt: Prompt = None  # str | list[str] | list[int] | list[list[int]], checked by the server
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token (+ the sampled one)
     echo: bool = False
     suffix: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None  # preferred over max_tokens; None: the rest of the context
+    messages: Messages
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # preferred over max_tokens; None: the rest
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True  # vLLM extension
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: extra template variables
     tools: list[Any] | None = None
@@ -90,14 +110,14 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -218,3 +238,45 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: str  # ok | loading | draining | dead | failed | degraded (disagg: a role has no live worker)
+    num_running: int
+    num_waiting: int
+    error: str | None = None
+    reason: str | None = None
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class RecordFlushResponse(BaseModel):
+    path: str
+    num_requests: int
+    num_iterations: int
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer: OpenAI's shape."""
+
+    error: ErrorDetail

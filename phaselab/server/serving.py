@@ -38,6 +38,7 @@ from phaselab.core.sampling_params import SamplingParams
 from phaselab.errors import InvalidRequestError
 from phaselab.server.engine_thread import Delta, EngineThread, NewRequest
 from phaselab.server.errors import error_body, invalid
+from phaselab.server.token_strings import TokenIdStrings, TokenStrings  # noqa: F401 - used by app.py too
 from phaselab.server.protocol import (
     UNSUPPORTED,
     ChatChoice,
@@ -65,25 +66,36 @@ DONE = b"data: [DONE]\n\n"
 
 
 # -- parsing ---------------------------------------------------------------------------------------------
+MAX_JSON_DEPTH = 64  # deeper request bodies are a 400 (no OpenAI request nests beyond a handful of levels)
+
+
 def parse_body(model: type[BaseModel], body: bytes) -> Any:
     """JSON body -> request model; every problem is a 400 naming the field."""
     try:
         data = json.loads(body or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise invalid(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise invalid(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it") from None
     if not isinstance(data, dict):
         raise invalid("the request body must be a JSON object")
+    check_json(data)
     try:
         req = model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        unknown = [".".join(str(p) for p in err["loc"]) for err in errors if err["type"] == "extra_forbidden"]
+        if unknown:
+            raise invalid(f"unrecognized request argument supplied: {unknown[0]} (phaselab accepts OpenAI's fields "
+                          "and the vLLM extensions listed in docs/server.md; remove it or check its spelling)",
+                          param=unknown[0], code="unknown_parameter") from None
+        err = errors[0]
         param = ".".join(str(p) for p in err["loc"]) or None
         raise invalid(f"invalid value for {param}: {err['msg']}" if param else err["msg"], param=param) from None
-    unknown = [f for f in getattr(req, "unknown_fields", list)() if f not in UNSUPPORTED]
-    if unknown:
-        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
     for name, allowed in UNSUPPORTED.items():
-        value = getattr(req, name) if name in type(req).model_fields else (req.model_extra or {}).get(name)
+        if name not in type(req).model_fields:
+            continue
+        value = getattr(req, name)
         if value not in allowed:
             raise invalid(f"{name}={value!r} is not supported by phaselab", param=name, code="unsupported_parameter")
     best_of = getattr(req, "best_of", None)
@@ -91,6 +103,31 @@ def parse_body(model: type[BaseModel], body: bytes) -> Any:
         raise invalid("best_of different from n is not supported by phaselab", param="best_of",
                       code="unsupported_parameter")
     return req
+
+
+def check_json(data: Any) -> None:
+    """400 for what JSON allows but the server cannot serve: nesting deeper than MAX_JSON_DEPTH,
+    and strings holding a lone UTF-16 surrogate ("\\ud800": not a character, the tokenizer cannot
+    encode it). Iterative, so depth never costs Python stack."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise invalid(f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels; flatten it",
+                          param=".".join(path[:3]) or None)
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                where = ".".join(path) or None
+                raise invalid(f"{where or 'a string'} holds a lone UTF-16 surrogate, which is not a character; "
+                              "send valid Unicode (pair the surrogates or drop them)", param=where) from None
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                stack.append((k, path))
+                stack.append((v, (*path, str(k))))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, str(i))) for i, v in enumerate(value))
 
 
 def completion_prompts(prompt: Any) -> list[str | list[int]]:
@@ -120,6 +157,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str):
             raise invalid(f"messages[{i}] has no role", param=f"messages.{i}.role")
+        if "name" in m and not isinstance(m["name"], str):
+            raise invalid(f"messages[{i}].name must be a string", param=f"messages.{i}.name")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -136,6 +175,35 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# template variables the server sets itself; chat_template_kwargs may override only add_generation_prompt
+_RESERVED_TEMPLATE_VARS = ("messages",)
+
+
+def render_chat(tok: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                template_kwargs: dict[str, Any] | None) -> str:
+    """Messages -> prompt text through the chat template. `chat_template_kwargs` become template
+    variables (vLLM's extension); its `add_generation_prompt` overrides the top-level field, as in
+    vLLM. Anything the template cannot render is a 400, never a 500."""
+    kwargs = dict(template_kwargs or {})
+    for name in _RESERVED_TEMPLATE_VARS:
+        if name in kwargs:
+            raise invalid(f"chat_template_kwargs may not set {name!r}: give the conversation in the request's "
+                          f"{name!r} field", param=f"chat_template_kwargs.{name}")
+    add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+    if not isinstance(add_generation_prompt, bool):
+        raise invalid("chat_template_kwargs.add_generation_prompt must be true or false",
+                      param="chat_template_kwargs.add_generation_prompt")
+    conversation = chat_messages(messages)
+    try:
+        return str(tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, **kwargs))
+    except InvalidRequestError as e:
+        raise invalid(str(e), param="messages") from None
+    except Exception as e:  # noqa: BLE001 - the template ran on the client's data: a TypeError there is theirs
+        raise invalid(f"the chat template could not render these messages ({type(e).__name__}: {e}); check "
+                      "messages and chat_template_kwargs", param="chat_template_kwargs" if kwargs else "messages"
+                      ) from None
+
+
 _PARAM_RE = re.compile(r"invalid sampling parameter (\w+)=")
 
 
@@ -146,7 +214,7 @@ def sampling_params(req: CompletionRequest | ChatCompletionRequest, max_tokens: 
             n=1,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
+            top_k=0 if req.top_k is None or req.top_k == -1 else req.top_k,  # -1: off (vLLM's spelling)
             min_p=0.0 if req.min_p is None else req.min_p,
             seed=req.seed,
             max_tokens=max_tokens,
@@ -202,66 +270,6 @@ def fan_out(response_id: str, prompts: list[tuple[list[int], str | None]], param
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# -- token strings for logprobs ----------------------------------------------------------------------------
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet: printable char -> the byte it stands for."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    extra = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-class TokenStrings:
-    """id -> (text, bytes) of one token: exact bytes for byte-level BPE, decoded text otherwise."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self._tok = tokenizer
-        self._cache: dict[int, tuple[str, bytes]] = {}
-        try:
-            from tokenizers import decoders
-
-            self._byte_level = isinstance(tokenizer.backend.decoder, decoders.ByteLevel)
-        except Exception:  # noqa: BLE001 - any other tokenizer: decode per token
-            self._byte_level = False
-        self._decoder = _byte_decoder() if self._byte_level else {}
-
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        hit = self._cache.get(token_id)
-        if hit is not None:
-            return hit
-        piece = self._tok.id_to_token(token_id)
-        if piece is not None and self._byte_level and token_id not in self._tok.all_special_ids \
-                and all(ch in self._decoder for ch in piece):
-            raw = bytes(self._decoder[ch] for ch in piece)
-        else:
-            raw = self._tok.decode([token_id], skip_special_tokens=False).encode()
-        hit = (raw.decode("utf-8", errors="replace"), raw)
-        if len(self._cache) < 200_000:
-            self._cache[token_id] = hit
-        return hit
-
-    def text(self, token_id: int) -> str:
-        return self.get(token_id)[0]
-
-
-class TokenIdStrings:
-    """`return_tokens_as_token_ids`: every token as "token_id:<id>" (unambiguous, vLLM's format)."""
-
-    def __init__(self, inner: TokenStrings) -> None:
-        self._inner = inner
-
-    def get(self, token_id: int) -> tuple[str, bytes]:
-        return f"token_id:{token_id}", self._inner.get(token_id)[1]
-
-    def text(self, token_id: int) -> str:
-        return f"token_id:{token_id}"
 
 
 def prompt_logprobs_fn(token_ids: list[int], k: int) -> Callable[[Any], list[TokenLogprobs | None]]:

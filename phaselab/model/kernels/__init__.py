@@ -62,19 +62,23 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _build(cc: str) -> Path:
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    out = cache_dir() / f"paged_decode-{key}.so"
+def build_key(source: Path, cc: str) -> str:
+    """Hash of what decides a build: the source, the compiler, the flags and the CPU's features."""
+    src = source.read_bytes()
+    return hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+
+
+def _build(cc: str, source: Path = _SOURCE) -> Path:
+    out = cache_dir() / f"{source.stem}-{build_key(source, cc)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {_SOURCE.name}: {proc.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key yields the same file
     finally:
         if os.path.exists(tmp):

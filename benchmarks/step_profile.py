@@ -1,0 +1,137 @@
+"""Where one decode step goes (issue 18 item 5): shares of the step at batch 1, 8, 32, 64.
+
+Times, per engine step, with perf_counter wrappers installed around the pieces (no profiler:
+its own overhead would be a large share of a 20 ms step):
+
+    linear      every linear layer and the LM head (PackedLinear / nn.Linear forwards)
+    attention   paged attention (KV write + decode kernel)
+    sampling    the sampler
+    model other the rest of the forward: embedding, norms, RoPE, SiLU*up, residual adds
+    engine      everything else in step(): scheduling, input preparation, outputs, Python
+
+Every request has a 512-token context; the KV cache holds batch 64 without preemption (2 GiB in fp32). Writes JSON (`benchmarks/results/step_profile.json`)
+with the load average beside each figure. Usage: `python benchmarks/step_profile.py [--quick]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def log(msg: str) -> None:
+    print(f"[step_profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {}
+
+    def wrap(self, key: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.t[key] = self.t.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+
+def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
+    from phaselab.core.sampling_params import SamplingParams
+    from phaselab.model import llama
+    from phaselab.model.linear import PackedLinear
+
+    timers = Timers()
+    model = eng.executor.model
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.forward = timers.wrap("linear", m.forward)
+    if model.head is None:  # the torch path: nn.Linear and the LM head both call F.linear (once each)
+        orig_linear = llama.F.linear
+        llama.F.linear = timers.wrap("linear", orig_linear)
+    orig_attn = llama.paged_attention
+    llama.paged_attention = timers.wrap("attention", orig_attn)
+    model.forward = timers.wrap("model", model.forward)
+    eng.executor.sampler.sample = timers.wrap("sampling", eng.executor.sampler.sample)
+    try:
+        g = torch.Generator().manual_seed(batch)
+        for _ in range(batch):
+            ids = torch.randint(100, eng.model_config.vocab_size - 100, (512,), generator=g).tolist()
+            eng.add_request(ids, SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True))
+        while True:  # prefill everything first
+            eng.step()
+            plan = eng.last_plan
+            if plan is not None and plan.num_prefill_tokens == 0:
+                break
+        timers.t.clear()
+        load0 = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        n = 0
+        for _ in range(steps):
+            eng.step()
+            n += 1
+        total = time.perf_counter() - t0
+        t = dict(timers.t)  # before the requests are run out below
+        while eng.has_unfinished_requests():
+            eng.step()
+    finally:
+        llama.paged_attention = orig_attn
+        if model.head is None:
+            llama.F.linear = orig_linear
+    parts = {
+        "linear": t.get("linear", 0.0),
+        "attention": t.get("attention", 0.0),
+        "model other": t.get("model", 0.0) - t.get("linear", 0.0) - t.get("attention", 0.0),
+        "sampling": t.get("sampling", 0.0),
+    }
+    parts["engine"] = total - t.get("model", 0.0) - t.get("sampling", 0.0)
+    return {"batch": batch, "step_ms": round(total / n * 1e3, 2),
+            "ms": {k: round(v / n * 1e3, 2) for k, v in parts.items()},
+            "share": {k: round(v / total, 3) for k, v in parts.items()},
+            "load_avg": [load0, os.getloadavg()[0]]}
+
+
+def main() -> None:
+    from phaselab.config import EngineArgs
+    from phaselab.engine.engine import LLMEngine
+    from phaselab.model.linear_probe import cpu_info
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--configs", nargs="+", default=["float32/q", "bfloat16/q", "bfloat16/torch", "float32/torch"])
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "step_profile.json"))
+    args = ap.parse_args()
+    steps = 6 if args.quick else 16
+    result: dict[str, Any] = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "profiles": {}}
+    for cfg in args.configs:
+        dtype, path = cfg.split("/")
+        os.environ["PHASELAB_LINEAR"] = path
+        try:
+            eng = LLMEngine(EngineArgs(dtype=dtype, kv_cache_memory="2GiB" if dtype == "float32" else "1GiB", max_model_len=1024, max_num_seqs=128))
+        finally:
+            del os.environ["PHASELAB_LINEAR"]
+        for b in args.batches:
+            r = profile(eng, b, steps)
+            result["profiles"].setdefault(cfg, []).append(r)
+            log(f"{cfg} batch {b}: {r['step_ms']} ms/step; " + ", ".join(f"{k} {v:.0%}" for k, v in r["share"].items())
+                + f"; load {r['load_avg'][1]:.1f}")
+        del eng
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

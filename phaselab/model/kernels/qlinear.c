@@ -1,0 +1,472 @@
+/* Small-batch linear layers on the CPU: y = x W^T (+ bias), W read as stored.
+ *
+ * Decode multiplies a handful of activation rows by every weight matrix once per step, so its
+ * cost is the bytes of W streamed from memory. This kernel reads W in its storage format and
+ * widens it to float32 in registers, block by block, never materializing a dense copy:
+ *
+ *   fmt 0  F32    (N, K) float32
+ *   fmt 1  BF16   (N, K) bfloat16 bit patterns
+ *   fmt 2  Q8_0   (N, K/32) blocks of {fp16 d; int8 q[32]}          w = d * q            34 B / 32
+ *   fmt 3  Q4_0   (N, K/32) blocks of {fp16 d; uint8 qs[16]}        w = d * (nibble - 8) 18 B / 32
+ *   fmt 4  Q4_1   (N, K/32) blocks of {fp16 d; fp16 m; uint8 qs[16]} w = d * nibble + m  20 B / 32
+ *
+ * (GGML's layouts: in Q4 blocks, byte j holds element j in its low nibble, element j+16 in its
+ * high one.) Activations x are (M, K) float32 or bfloat16; bf16 rows are widened once per call
+ * into caller-provided scratch (exact), except for BF16 weights on a CPU with AVX512-BF16, where
+ * pairs of bf16 products go straight through vdpbf16ps (exact products, float32 sums). Output y
+ * is (M, N) float32 or bfloat16 (round to nearest even). Sums run in float32, in a different
+ * order than a BLAS GEMM, so results equal the dequantized reference up to summation order.
+ *
+ * Work: output rows n are split statically over the OpenMP threads (torch's runtime, same
+ * SONAME); each weight row is read once and used for up to MR activation rows at a time, staying
+ * in L1 while further groups of MR rows reuse it. Nothing is allocated.
+ *
+ * `dequant_rows` widens whole rows (all of W, or the rows named by an index list: embedding
+ * lookups) to float32 or bf16, for the GEMM path of larger row counts and for embeddings.
+ *
+ * Built by phaselab/model/kernels/__init__.py with -march=native; without AVX-512 the plain C
+ * loops below are compiled instead (the compiler vectorizes them for AVX2/FMA).
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+#include <immintrin.h>
+#define QL_AVX512 1
+#else
+#define QL_AVX512 0
+#endif
+#if QL_AVX512 && defined(__AVX512BF16__)
+#define QL_DPBF16 1
+#else
+#define QL_DPBF16 0
+#endif
+
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4 };
+#define MR 8
+#ifndef ROWS4_MIN
+#define ROWS4_MIN 4 /* activation rows from which four weight rows are processed together */
+#endif
+
+static const int BLOCK_BYTES[5] = {0, 0, 34, 18, 20};
+
+static inline int64_t row_bytes(int fmt, int64_t K) {
+    if (fmt == FMT_F32) return K * 4;
+    if (fmt == FMT_BF16) return K * 2;
+    return (K / 32) * BLOCK_BYTES[fmt];
+}
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    /* IEEE half -> float without F16C (the AVX-512 path uses _cvtsh_ss) */
+#if QL_AVX512
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t u;
+    if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal half: normalize */
+            int e = -1;
+            uint32_t m = man;
+            do { e++; m <<= 1; } while (!(m & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        u = sign | 0x7f800000 | (man << 13);
+    } else {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* element-wise widening of one block / row segment, portable (used by dequant_rows and the
+ * non-AVX-512 build) */
+static inline void deq_block_c(int fmt, const uint8_t *b, float *out) {
+    if (fmt == FMT_Q8_0) {
+        const float d = fp16_to_f32(b);
+        for (int j = 0; j < 32; j++) out[j] = d * (float)((const int8_t *)(b + 2))[j];
+    } else if (fmt == FMT_Q4_0) {
+        const float d = fp16_to_f32(b);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)((b[2 + j] & 0x0f) - 8);
+            out[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+    } else { /* Q4_1 */
+        const float d = fp16_to_f32(b), m = fp16_to_f32(b + 2);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(b[4 + j] & 0x0f) + m;
+            out[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+    }
+}
+
+static void deq_row_c(int fmt, const uint8_t *w, int64_t K, float *out) {
+    if (fmt == FMT_F32) {
+        memcpy(out, w, (size_t)K * 4);
+    } else if (fmt == FMT_BF16) {
+        for (int64_t k = 0; k < K; k++) out[k] = bf16_to_f32(((const uint16_t *)w)[k]);
+    } else {
+        const int bb = BLOCK_BYTES[fmt];
+        for (int64_t b = 0; b < K / 32; b++) deq_block_c(fmt, w + b * bb, out + b * 32);
+    }
+}
+
+#if QL_AVX512
+/* one 32-element block of W -> two float32 vectors (elements 0-15, 16-31) */
+static inline __attribute__((always_inline)) void deq_block(int fmt, const uint8_t *b, __m512 *lo, __m512 *hi) {
+    if (fmt == FMT_Q8_0) {
+        const __m512 d = _mm512_set1_ps(fp16_to_f32(b));
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))));
+    } else {
+        const int q41 = fmt == FMT_Q4_1;
+        __m512 d, m;
+        if (q41) { /* d and m converted together: one vcvtph2ps for both halves */
+            int32_t dm;
+            memcpy(&dm, b, 4);
+            const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+            d = _mm512_broadcastss_ps(f);
+            m = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
+        } else {
+            const float df = fp16_to_f32(b);
+            d = _mm512_set1_ps(df);
+            m = _mm512_set1_ps(-8.f * df);
+        }
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + (q41 ? 4 : 2)));
+        const __m128i mask = _mm_set1_epi8(0x0f);
+        const __m128i ql = _mm_and_si128(q, mask), qh = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ql)), d, m);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(qh)), d, m);
+    }
+}
+
+/* float32 -> bf16 bit patterns, round to nearest even (weights: no NaNs) */
+static inline __m256i bf16_round(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* 16 dense weights from element k (masked: only `mask` lanes read) */
+static inline __attribute__((always_inline)) __m512 dense16(int fmt, const uint8_t *w, int64_t k, __mmask16 mask) {
+    if (fmt == FMT_F32) return _mm512_maskz_loadu_ps(mask, (const float *)w + k);
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)w + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* res[m] = W_row . x[m] for m < mr; x rows are float32, K apart. Two accumulator chains per row
+ * (low and high half of each block), so even one row keeps two FMAs in flight. */
+static inline __attribute__((always_inline)) void dot_rows(int fmt, const uint8_t *w, const float *x, int64_t K,
+                                                           int mr, float *res) {
+    __m512 alo[MR], ahi[MR];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) alo[m] = ahi[m] = _mm512_setzero_ps();
+    const int64_t nfull = K / 32;
+    if (fmt >= FMT_Q8_0) {
+        const int bb = BLOCK_BYTES[fmt];
+        for (int64_t b = 0; b < nfull; b++) {
+            __m512 lo, hi;
+            deq_block(fmt, w + b * bb, &lo, &hi);
+            const float *xb = x + b * 32;
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+                alo[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + m * K), alo[m]);
+                ahi[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + m * K + 16), ahi[m]);
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < nfull; b++) {
+            const __m512 lo = dense16(fmt, w, b * 32, 0xffff), hi = dense16(fmt, w, b * 32 + 16, 0xffff);
+            const float *xb = x + b * 32;
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+                alo[m] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xb + m * K), alo[m]);
+                ahi[m] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(xb + m * K + 16), ahi[m]);
+            }
+        }
+        const int64_t r = K - nfull * 32;
+        if (r > 0) {
+            const __mmask16 ml = (__mmask16)(r >= 16 ? 0xffff : (1u << r) - 1);
+            const __mmask16 mh = (__mmask16)(r > 16 ? (1u << (r - 16)) - 1 : 0);
+            const int64_t k = nfull * 32;
+            const __m512 lo = dense16(fmt, w, k, ml), hi = dense16(fmt, w, k + 16, mh);
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+                alo[m] = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(ml, x + m * K + k), alo[m]);
+                ahi[m] = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(mh, x + m * K + k + 16), ahi[m]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(alo[m], ahi[m]));
+}
+
+/* Four weight rows at once, for larger activation row counts: each x vector loaded feeds four
+ * FMAs, so x (M*K floats, beyond L1 at 16+ rows) is read once per four output rows instead of
+ * once per row. res[r * 4 + m] = W_row(r) . x[m], m < mr <= 4. K a multiple of 32. */
+static inline __attribute__((always_inline)) void dot_rows4(int fmt, const uint8_t *w, int64_t rb, const float *x,
+                                                            int64_t K, int mr, float *res) {
+    __m512 acc[4][4];
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+        _Pragma("GCC unroll 4") for (int m = 0; m < mr; m++) acc[r][m] = _mm512_setzero_ps();
+    const int64_t nb = K / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512 lo[4], hi[4];
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+            if (fmt >= FMT_Q8_0) {
+                deq_block(fmt, w + r * rb + b * BLOCK_BYTES[fmt], &lo[r], &hi[r]);
+            } else {
+                lo[r] = dense16(fmt, w + r * rb, b * 32, 0xffff);
+                hi[r] = dense16(fmt, w + r * rb, b * 32 + 16, 0xffff);
+            }
+        }
+        _Pragma("GCC unroll 4") for (int m = 0; m < mr; m++) {
+            const __m512 xl = _mm512_loadu_ps(x + m * K + b * 32), xh = _mm512_loadu_ps(x + m * K + b * 32 + 16);
+            _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+                acc[r][m] = _mm512_fmadd_ps(lo[r], xl, acc[r][m]);
+                acc[r][m] = _mm512_fmadd_ps(hi[r], xh, acc[r][m]);
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+        _Pragma("GCC unroll 4") for (int m = 0; m < mr; m++) res[r * 4 + m] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+static void dot4_group(int fmt, const uint8_t *w, int64_t rb, const float *x, int64_t K, int mr, float *res) {
+#define DOT4_FMT(F)                                                         \
+    switch (mr) {                                                           \
+    case 1: dot_rows4(F, w, rb, x, K, 1, res); break;                       \
+    case 2: dot_rows4(F, w, rb, x, K, 2, res); break;                       \
+    case 3: dot_rows4(F, w, rb, x, K, 3, res); break;                       \
+    default: dot_rows4(F, w, rb, x, K, 4, res); break;                      \
+    }
+    switch (fmt) {
+    case FMT_F32: DOT4_FMT(FMT_F32) break;
+    case FMT_BF16: DOT4_FMT(FMT_BF16) break;
+    case FMT_Q8_0: DOT4_FMT(FMT_Q8_0) break;
+    case FMT_Q4_0: DOT4_FMT(FMT_Q4_0) break;
+    default: DOT4_FMT(FMT_Q4_1) break;
+    }
+#undef DOT4_FMT
+}
+
+#if QL_DPBF16
+/* bf16 weights x bf16 activations: 32 products per vdpbf16ps, accumulated in float32 */
+static inline __attribute__((always_inline)) void dot_rows_dpbf16(const uint16_t *w, const uint16_t *x, int64_t K,
+                                                                  int mr, float *res) {
+    __m512 acc[MR];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) acc[m] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + k));
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_loadu_si512((const void *)(x + m * K + k)),
+                                      (__m512bh)wv);
+    }
+    if (k < K) {
+        const __mmask32 mask = (__mmask32)((1ull << (K - k)) - 1);
+        const __m512i wv = _mm512_maskz_loadu_epi16(mask, w + k);
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * K + k),
+                                      (__m512bh)wv);
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = _mm512_reduce_add_ps(acc[m]);
+}
+#endif
+#endif /* QL_AVX512 */
+
+/* portable: widen the row once per group of rows (on the stack when it fits), then plain dots */
+static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
+    float buf[4096];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = 0.f;
+    for (int64_t k0 = 0; k0 < K; k0 += 4096) {
+        const int64_t n = K - k0 < 4096 ? K - k0 : 4096; /* multiple of 32 except the dense tail */
+        deq_row_c(fmt, w + row_bytes(fmt, k0), n, buf);
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+            float s = 0.f;
+            const float *xm = x + m * K + k0;
+#pragma omp simd reduction(+ : s)
+            for (int64_t k = 0; k < n; k++) s += buf[k] * xm[k];
+            res[m] += s;
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t *w, const float *x, int64_t K,
+                                                          int mr, float *res) {
+#if QL_AVX512
+    switch (fmt) { /* constant format: each copy inlines only its own dequantization */
+    case FMT_F32: dot_rows(FMT_F32, w, x, K, mr, res); break;
+    case FMT_BF16: dot_rows(FMT_BF16, w, x, K, mr, res); break;
+    case FMT_Q8_0: dot_rows(FMT_Q8_0, w, x, K, mr, res); break;
+    case FMT_Q4_0: dot_rows(FMT_Q4_0, w, x, K, mr, res); break;
+    default: dot_rows(FMT_Q4_1, w, x, K, mr, res); break;
+    }
+#else
+    dot_rows_c(fmt, w, x, K, mr, res);
+#endif
+}
+
+/* constant row counts, so the accumulators of dot_rows live in registers */
+static void dot_group(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
+    switch (mr) {
+    case 1: dot_any(fmt, w, x, K, 1, res); break;
+    case 2: dot_any(fmt, w, x, K, 2, res); break;
+    case 3: dot_any(fmt, w, x, K, 3, res); break;
+    case 4: dot_any(fmt, w, x, K, 4, res); break;
+    case 5: dot_any(fmt, w, x, K, 5, res); break;
+    case 6: dot_any(fmt, w, x, K, 6, res); break;
+    case 7: dot_any(fmt, w, x, K, 7, res); break;
+    default: dot_any(fmt, w, x, K, 8, res); break;
+    }
+}
+
+#if QL_DPBF16
+static void dot_group_dp(const uint16_t *w, const uint16_t *x, int64_t K, int mr, float *res) {
+    switch (mr) {
+    case 1: dot_rows_dpbf16(w, x, K, 1, res); break;
+    case 2: dot_rows_dpbf16(w, x, K, 2, res); break;
+    case 3: dot_rows_dpbf16(w, x, K, 3, res); break;
+    case 4: dot_rows_dpbf16(w, x, K, 4, res); break;
+    case 5: dot_rows_dpbf16(w, x, K, 5, res); break;
+    case 6: dot_rows_dpbf16(w, x, K, 6, res); break;
+    case 7: dot_rows_dpbf16(w, x, K, 7, res); break;
+    default: dot_rows_dpbf16(w, x, K, 8, res); break;
+    }
+}
+#endif
+
+/* y (M, N) = x (M, K) W^T + bias. x_bf16 / y_bf16: 1 when that side is bfloat16.
+ * scratch: float32 room for M*K values, used only when x is bf16 and must be widened.
+ * use_dp: 1 to run BF16 weights x bf16 activations through vdpbf16ps (ignored when absent).
+ * Returns 0, or 1 for an unsupported format/shape. */
+int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, float *scratch,
+            const float *bias, void *y, int y_bf16, int use_dp) {
+    if (fmt < 0 || fmt > FMT_Q4_1 || N <= 0 || K <= 0 || M <= 0) return 1;
+    if (fmt >= FMT_Q8_0 && K % 32 != 0) return 1;
+    const int dp = QL_DPBF16 && use_dp && fmt == FMT_BF16 && x_bf16;
+    const float *xf = (const float *)x;
+    if (x_bf16 && !dp) {
+        const uint16_t *xs = (const uint16_t *)x;
+        for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(xs[i]);
+        xf = scratch;
+    }
+    const int64_t rb = row_bytes(fmt, K);
+#if QL_AVX512
+    /* 4 or more activation rows: four weight rows per pass (dot_rows4), the last N % 4 rows below */
+    const int64_t n4 = (M >= ROWS4_MIN && !dp && K % 32 == 0) ? N / 4 * 4 : 0;
+    if (n4 > 0) {
+#pragma omp parallel for schedule(static)
+        for (int64_t nq = 0; nq < n4 / 4; nq++) {
+            const int64_t n = nq * 4;
+            const uint8_t *wr = (const uint8_t *)w + n * rb;
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mr = (int)(M - m0 < 4 ? M - m0 : 4);
+                float res[16];
+                dot4_group(fmt, wr, rb, xf + m0 * K, K, mr, res);
+                for (int r = 0; r < 4; r++) {
+                    const float bn = bias ? bias[n + r] : 0.f;
+                    for (int m = 0; m < mr; m++) {
+                        const float v = res[r * 4 + m] + bn;
+                        if (y_bf16)
+                            ((uint16_t *)y)[(m0 + m) * N + n + r] = f32_to_bf16(v);
+                        else
+                            ((float *)y)[(m0 + m) * N + n + r] = v;
+                    }
+                }
+            }
+        }
+    }
+#else
+    const int64_t n4 = 0;
+#endif
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n4; n < N; n++) {
+        const uint8_t *wr = (const uint8_t *)w + n * rb;
+        const float bn = bias ? bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < M; m0 += MR) {
+            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
+            float res[MR];
+#if QL_DPBF16
+            if (dp)
+                dot_group_dp((const uint16_t *)wr, (const uint16_t *)x + m0 * K, K, mr, res);
+            else
+#endif
+                dot_group(fmt, wr, xf + m0 * K, K, mr, res);
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+                const float v = res[m] + bn;
+                if (y_bf16)
+                    ((uint16_t *)y)[(m0 + m) * N + n] = f32_to_bf16(v);
+                else
+                    ((float *)y)[(m0 + m) * N + n] = v;
+            }
+        }
+    }
+    return 0;
+}
+
+/* out (R, K) = rows of W widened to float32 (out_bf16 = 0) or bf16: all N rows in order when
+ * idx is NULL (R = N), else rows idx[0..R) (embedding lookup; ids checked by the caller). */
+int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *idx, int64_t R, void *out,
+                 int out_bf16) {
+    if (fmt < 0 || fmt > FMT_Q4_1 || K <= 0 || (fmt >= FMT_Q8_0 && K % 32 != 0)) return 1;
+    if (!idx) R = N;
+    const int64_t rb = row_bytes(fmt, K);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < R; r++) {
+        const uint8_t *wr = (const uint8_t *)w + (idx ? idx[r] : r) * rb;
+#if QL_AVX512
+        if (fmt >= FMT_Q8_0) { /* vectorized: one block -> 32 floats or 32 bf16 (nearest even) */
+            const int bb = BLOCK_BYTES[fmt];
+            for (int64_t b = 0; b < K / 32; b++) {
+                __m512 lo, hi;
+                deq_block(fmt, wr + b * bb, &lo, &hi);
+                if (!out_bf16) {
+                    _mm512_storeu_ps((float *)out + r * K + b * 32, lo);
+                    _mm512_storeu_ps((float *)out + r * K + b * 32 + 16, hi);
+                } else {
+                    uint16_t *o = (uint16_t *)out + r * K + b * 32;
+                    _mm256_storeu_si256((__m256i *)o, bf16_round(lo));
+                    _mm256_storeu_si256((__m256i *)(o + 16), bf16_round(hi));
+                }
+            }
+            continue;
+        }
+#endif
+        if (!out_bf16) {
+            deq_row_c(fmt, wr, K, (float *)out + r * K);
+        } else if (fmt == FMT_BF16) {
+            memcpy((uint16_t *)out + r * K, wr, (size_t)K * 2);
+        } else {
+            float buf[32];
+            uint16_t *o = (uint16_t *)out + r * K;
+            for (int64_t k0 = 0; k0 < K; k0 += 32) {
+                const int64_t n = K - k0 < 32 ? K - k0 : 32;
+                deq_row_c(fmt, wr + row_bytes(fmt, k0), n, buf);
+                for (int64_t j = 0; j < n; j++) o[k0 + j] = f32_to_bf16(buf[j]);
+            }
+        }
+    }
+    return 0;
+}
+
+int qlinear_features(void) { return QL_AVX512 | (QL_DPBF16 << 1); }
+int qlinear_abi(void) { return 1; }

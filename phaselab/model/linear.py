@@ -1,0 +1,211 @@
+"""Linear layers over weights as stored, and the choice of path for a model.
+
+Four paths run a model's linear layers (`PATHS`):
+
+    q      GGUF blocks kept as in the file (Q4_0/Q4_1/Q8_0; K-quants re-quantized to Q8_0),
+           dequantized in registers by kernels/qlinear.c for small row counts
+    bf16   weights as dense bf16 rows, the same native kernel (vdpbf16ps on bf16 activations
+           where the CPU has AVX512-BF16, FMA on widened weights otherwise)
+    fp32   weights as dense fp32 rows, the same native kernel
+    torch  today's nn.Linear on weights dequantized to the engine dtype (torch's BLAS / oneDNN)
+
+On the native paths a layer runs the kernel for up to `max_native_rows` activation rows (decode
+batches); above that it widens its weight into a tile buffer shared by all layers (no per-layer
+dense copy is kept) and calls torch's GEMM, in row chunks so the tile stays a few MB. When the
+stored format already is the engine dtype the GEMM reads the weight directly.
+
+Activations and outputs stay in the engine dtype; sums run in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phaselab.model.kernels import qlinear
+from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
+
+PATHS = ("q", "bf16", "fp32", "torch")
+ENV_VAR = "PHASELAB_LINEAR"
+TILE_ELEMENTS = 4 * 2**20  # the GEMM path widens at most this many weights at a time
+DEFAULT_MAX_NATIVE_ROWS = 16
+
+
+class Workspace:
+    """Buffers shared by every layer of one model (layers run one after another)."""
+
+    def __init__(self, act_dtype: torch.dtype) -> None:
+        self.act_dtype = act_dtype
+        self._scratch = torch.empty(0, dtype=torch.float32)
+        self._tile = torch.empty(0, dtype=act_dtype)
+
+    def scratch(self, n: int) -> torch.Tensor:
+        if self._scratch.numel() < n:
+            self._scratch = torch.empty(n, dtype=torch.float32)
+        return self._scratch
+
+    def tile(self, n: int) -> torch.Tensor:
+        if self._tile.numel() < n:
+            self._tile = torch.empty(n, dtype=self.act_dtype)
+        return self._tile[:n]
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W a PackedTensor. W is a plain attribute, not a Parameter, so
+    `module.to(dtype)` / `to_empty` leave the stored format alone."""
+
+    def __init__(self, packed: PackedTensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
+                 max_native_rows: int, workspace: Workspace) -> None:
+        super().__init__()
+        self.packed = packed
+        self.out_features, self.in_features = packed.shape
+        self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
+        self.bias_act = None if bias is None else bias.detach().to(act_dtype).contiguous()
+        self.act_dtype = act_dtype
+        self.max_native_rows = max_native_rows
+        self.ws = workspace
+        self.direct = packed.data if DENSE.get(packed.fmt) == act_dtype else None
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.packed.fmt}, native <= {self.max_native_rows} rows"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], self.in_features
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if 0 < m <= self.max_native_rows:
+            x2 = x2.contiguous()
+            out = torch.empty((m, self.out_features), dtype=x.dtype)
+            scratch = self.ws.scratch(m * k) if x.dtype == torch.bfloat16 else None
+            qlinear.linear(self.packed.fmt, self.packed.data, self.out_features, k, x2, out, scratch, self.bias_f32)
+        elif self.direct is not None and x.dtype == self.direct.dtype:
+            out = F.linear(x2, self.direct, self.bias_act)
+        else:
+            out = self._tiled_gemm(x2)
+        return out.view(*lead, self.out_features)
+
+    def _tiled_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        n, k = self.packed.shape
+        chunk = max(1, min(n, TILE_ELEMENTS // k))
+        data = self.packed.data
+        if chunk >= n:
+            tile = self.ws.tile(n * k).view(n, k)
+            qlinear.dequant(self.packed.fmt, data, n, k, tile)
+            return F.linear(x.to(tile.dtype), tile, self.bias_act).to(x.dtype)
+        out = torch.empty((x.shape[0], n), dtype=x.dtype)
+        xa = x.to(self.ws.act_dtype)
+        for n0 in range(0, n, chunk):
+            rows = min(chunk, n - n0)
+            tile = self.ws.tile(rows * k).view(rows, k)
+            qlinear.dequant(self.packed.fmt, data[n0:n0 + rows], rows, k, tile)
+            bias = None if self.bias_act is None else self.bias_act[n0:n0 + rows]
+            out[:, n0:n0 + rows] = F.linear(xa, tile, bias)
+        return out
+
+
+class PackedEmbedding(nn.Module):
+    """Embedding lookup from packed rows: only the looked-up rows are widened."""
+
+    def __init__(self, packed: PackedTensor, act_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.packed = packed
+        self.num_embeddings, self.embedding_dim = packed.shape
+        self.act_dtype = act_dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty((flat.shape[0], self.embedding_dim), dtype=self.act_dtype)
+        qlinear.dequant(self.packed.fmt, self.packed.data, self.num_embeddings, self.embedding_dim, out, idx=flat)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
+# -- installing a path into a model -------------------------------------------------------------
+
+def _linear_names(config: Any) -> list[tuple[str, list[str], str | None]]:
+    """(module path, HF weight names fused into it, HF bias names' common suffix or None)."""
+    from phaselab.model.llama import has_o_proj_bias
+
+    out = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        qkv = [a + "q_proj", a + "k_proj", a + "v_proj"]
+        out.append((a + "qkv_proj", qkv, "bias" if config.attention_bias else None))
+        out.append((a + "o_proj", [a + "o_proj"], "bias" if has_o_proj_bias(config) else None))
+        out.append((p + "mlp.gate_up_proj", [p + "mlp.gate_proj", p + "mlp.up_proj"], None))
+        out.append((p + "mlp.down_proj", [p + "mlp.down_proj"], None))
+    return out
+
+
+def _as_format(w: torch.Tensor | PackedTensor, path: str, act_dtype: torch.dtype) -> PackedTensor:
+    """A weight in the stored format of `path` (q keeps blocks; dense tensors go to the act dtype)."""
+    dense_fmt = {"bf16": "BF16", "fp32": "F32"}.get(path) or ("BF16" if act_dtype == torch.bfloat16 else "F32")
+    if isinstance(w, PackedTensor):
+        if path == "q" and w.fmt not in DENSE:
+            return w
+        return w if w.fmt == dense_fmt else to_dense_format(w, dense_fmt)
+    return PackedTensor(dense_fmt, w.detach().to(DENSE[dense_fmt]).contiguous(), tuple(w.shape))
+
+
+def _fuse(parts: list[PackedTensor], path: str, act_dtype: torch.dtype) -> PackedTensor:
+    if len(parts) == 1:
+        return parts[0]
+    if len({p.fmt for p in parts}) > 1:  # e.g. Q4_1 q/k with a Q8_0 v: fuse exactly, in dense rows
+        parts = [_as_format(p.dequantize(act_dtype), "torch", act_dtype) for p in parts]
+    return cat_rows(parts)
+
+
+def densify(weights: dict[str, Any], dtype: torch.dtype) -> None:
+    """Replace every PackedTensor in `weights` by its dense matrix (the torch path)."""
+    for name, w in list(weights.items()):
+        if isinstance(w, PackedTensor):
+            weights[name] = w.exact(dtype) if w.exact is not None else w.dequantize(dtype)
+
+
+def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: torch.dtype,
+            max_native_rows: int = DEFAULT_MAX_NATIVE_ROWS) -> dict[str, Any]:
+    """Put `path`'s layers into `model` (built on the meta device, before `to_empty`).
+
+    Linear layers, the embedding and the LM head become Packed* modules holding their weights;
+    `load_weights` then fills the remaining (dense) parameters. For "torch", packed weights are
+    dequantized in `weights` and the model is left as built. Returns a summary for config.json.
+    """
+    config = model.config
+    if path == "torch":
+        densify(weights, act_dtype)
+        return {"path": "torch", "weight_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
+    ws = Workspace(act_dtype)
+    formats: dict[str, int] = {}
+    total = 0
+    for module_path, names, bias_suffix in _linear_names(config):
+        packed = _fuse([_as_format(weights[n + ".weight"], path, act_dtype) for n in names], path, act_dtype)
+        bias = None
+        if bias_suffix:
+            bias = torch.cat([weights[n + "." + bias_suffix].float() for n in names])
+        parent_name, _, attr = module_path.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, PackedLinear(packed, bias, act_dtype, max_native_rows, ws))
+        formats[packed.fmt] = formats.get(packed.fmt, 0) + 1
+        total += packed.nbytes + (0 if bias is None else bias.numel() * 4)
+    embed = _as_format(weights["model.embed_tokens.weight"], path, act_dtype)
+    model.model.embed_tokens = PackedEmbedding(embed, act_dtype)
+    total += embed.nbytes
+    head_source = embed if config.tie_word_embeddings else _as_format(weights["lm_head.weight"], path, act_dtype)
+    if not config.tie_word_embeddings:
+        total += head_source.nbytes
+        model.lm_head = None  # its weight lives in the packed head below
+    model.head = PackedLinear(head_source, None, act_dtype, max_native_rows, ws)
+    formats[embed.fmt] = formats.get(embed.fmt, 0) + 1
+    dense = sum(w.numel() * act_dtype.itemsize for w in weights.values()
+                if isinstance(w, torch.Tensor) and w.dim() == 1)
+    return {
+        "path": path,
+        "formats": formats,
+        "max_native_rows": max_native_rows,
+        "weight_bytes": total + dense,
+        "tied_head": "embedding's packed rows" if config.tie_word_embeddings else "own packed rows",
+        "requantized_from": sorted({w.source_fmt for w in weights.values()
+                                    if isinstance(w, PackedTensor) and w.source_fmt}),
+    }

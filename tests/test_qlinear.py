@@ -1,0 +1,138 @@
+"""The native linear paths (issue 18) against a float64 reference matmul.
+
+Truth comes from outside the code under test: weights are quantized and dequantized by gguf-py
+(llama.cpp's reference Python), the reference product is float64 `x @ W^T`. The kernel sums in
+float32 in its own order, so the bound is float32 rounding of a K-term dot product,
+    |y - ref| <= 8 * K * 2^-24 * (|x| @ |W|^T) + tiny,
+plus, when the output is bf16, half a bf16 step of the result (2^-9 |ref|, rounding to nearest).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from phaselab.model.kernels import qlinear
+from phaselab.model.linear import PackedEmbedding, PackedLinear, Workspace
+from phaselab.model.quant import PackedTensor, dequantize_blocks, quantize_q8_0
+
+pytestmark = pytest.mark.skipif(not qlinear.available(), reason=f"native kernel unavailable: {qlinear.unavailable_reason()}")
+
+ROWS = list(range(1, 18)) + [31, 32, 33, 64]
+QUANT = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _gguf_packed(fmt: str, n: int, k: int, seed: int) -> tuple[PackedTensor, torch.Tensor]:
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    qt = getattr(GGMLQuantizationType, fmt)
+    data = quants.quantize(w, qt)
+    ref = torch.from_numpy(np.asarray(quants.dequantize(data, qt), dtype=np.float64).reshape(n, k))
+    return PackedTensor(fmt, torch.from_numpy(np.ascontiguousarray(data).reshape(n, -1).copy()), (n, k)), ref
+
+
+def _dense_packed(fmt: str, n: int, k: int, seed: int) -> tuple[PackedTensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g).to(torch.bfloat16 if fmt == "BF16" else torch.float32)
+    return PackedTensor(fmt, w.contiguous(), (n, k)), w.double()
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> None:
+    ref = x.double() @ w.T
+    scale = x.double().abs() @ w.abs().T
+    if bias is not None:
+        ref = ref + bias.double()
+        scale = scale + bias.double().abs()
+    bound = 8 * w.shape[1] * 2.0**-24 * scale + 1e-6
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    assert bool((err <= bound).all()), f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", QUANT)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_quantized_kernel_matches_float64_reference(fmt, act):
+    packed, ref = _gguf_packed(fmt, 37, 96, seed=1)  # 37 rows, K = 3 blocks: no multiple of 16 rows
+    # the torch dequantization used at load agrees with gguf-py's exactly
+    assert torch.equal(dequantize_blocks(fmt, packed.data, packed.shape).double(), ref)
+    bias = torch.randn(37)
+    for m in ROWS:
+        x = _x(m, 96, act, seed=m)
+        y = torch.empty(m, 37, dtype=act)
+        qlinear.linear(fmt, packed.data, 37, 96, x, y, torch.empty(m * 96), bias)
+        _check(y, x, ref, bias, f"{fmt} x {act} at {m} rows")
+
+
+@pytest.mark.parametrize("fmt", ["F32", "BF16"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_dp", [False, True])
+def test_dense_kernel_matches_float64_reference(fmt, act, use_dp):
+    if use_dp and not (fmt == "BF16" and act == torch.bfloat16):
+        pytest.skip("vdpbf16ps applies to bf16 weights with bf16 activations only")
+    if use_dp and not qlinear.features()["avx512_bf16_dot"]:
+        pytest.skip("this CPU (or compiler) lacks AVX512-BF16: the vdpbf16ps variant is not built")
+    for n, k in ((19, 45), (5, 77), (33, 32)):  # K not a multiple of 16/32: masked tails
+        packed, ref = _dense_packed(fmt, n, k, seed=n)
+        for m in ROWS:
+            x = _x(m, k, act, seed=m)
+            y = torch.empty(m, n, dtype=torch.float32)
+            qlinear.linear(fmt, packed.data, n, k, x, y, torch.empty(m * k), None, use_dp=use_dp)
+            _check(y, x, ref, None, f"{fmt} x {act} ({n}x{k}) at {m} rows, dp={use_dp}")
+
+
+@pytest.mark.parametrize("fmt", QUANT + ("F32", "BF16"))
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_dequant_rows_and_embedding_lookup(fmt, act):
+    packed, ref = (_gguf_packed if fmt in QUANT else _dense_packed)(fmt, 21, 64, seed=3)
+    out = torch.empty(21, 64, dtype=act)
+    qlinear.dequant(fmt, packed.data, 21, 64, out)
+    assert torch.equal(out, ref.to(act)), f"{fmt}: widened rows differ from the reference rounded to {act}"
+    ids = torch.tensor([[3, 0], [20, 3]])
+    emb = PackedEmbedding(packed, act)(ids)
+    assert torch.equal(emb, ref.to(act)[ids])
+
+
+@pytest.mark.parametrize("fmt", QUANT + ("F32", "BF16"))
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_layer_native_and_tiled_gemm_paths(fmt, act):
+    """The layer switches to widening + torch GEMM above max_native_rows; both sides match."""
+    n, k = (45, 128) if fmt in QUANT else (45, 70)
+    packed, ref = (_gguf_packed if fmt in QUANT else _dense_packed)(fmt, n, k, seed=5)
+    bias = torch.randn(n)
+    layer = PackedLinear(packed, bias, act, max_native_rows=16, workspace=Workspace(act))
+    for m in ROWS:
+        x = _x(m, k, act, seed=100 + m)
+        y = layer(x)
+        assert y.dtype == act and y.shape == (m, n)
+        # the GEMM side runs in the activation dtype: bf16 GEMMs round the widened weight to bf16
+        w = ref if act == torch.float32 or m <= 16 else ref.to(torch.bfloat16).double()
+        b = bias if act == torch.float32 or m <= 16 else bias.to(torch.bfloat16)
+        _check(y, x, w, b, f"layer {fmt} x {act} at {m} rows")
+
+
+def test_tiled_gemm_in_row_chunks(monkeypatch):
+    """A weight larger than the tile (the LM head) is widened and multiplied a chunk at a time."""
+    from phaselab.model import linear
+
+    monkeypatch.setattr(linear, "TILE_ELEMENTS", 7 * 64)  # 7 rows per chunk of a 45-row weight
+    packed, ref = _gguf_packed("Q8_0", 45, 64, seed=7)
+    layer = PackedLinear(packed, None, torch.float32, max_native_rows=0, workspace=Workspace(torch.float32))
+    x = _x(20, 64, torch.float32)
+    _check(layer(x), x, ref, None, "chunked tile GEMM")
+
+
+def test_requantized_q8_0_equals_gguf_quantizer():
+    """K-quants are re-quantized to Q8_0 at load; our quantizer writes the bytes gguf-py writes."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = np.random.default_rng(9).standard_normal((13, 96)).astype(np.float32)
+    ours = quantize_q8_0(torch.from_numpy(w)).numpy()
+    theirs = np.asarray(quants.quantize(w, GGMLQuantizationType.Q8_0)).reshape(13, -1)
+    assert np.array_equal(ours, theirs)

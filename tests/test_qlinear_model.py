@@ -1,0 +1,158 @@
+"""Whole models on each linear path (issue 18): a tiny GGUF of mixed formats, and the bundled model.
+
+The reference is the dequantized fp32 path (`--weights dequantized`: gguf-py's dequantization,
+torch's matmuls), which other tests hold to Hugging Face transformers.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import gguf
+import pytest
+import torch
+
+from phaselab.config import EngineArgs
+from phaselab.engine.engine import LLMEngine
+from phaselab.model.kernels import qlinear
+from phaselab.model.linear import PackedLinear
+from phaselab.model.loader import load_checkpoint
+from tests._loader_helpers import random_weights, tiny_hf_config, write_gguf
+from tests._model_helpers import compare_greedy, make_prompts
+
+pytestmark = pytest.mark.skipif(not qlinear.available(), reason=f"native kernel unavailable: {qlinear.unavailable_reason()}")
+Q = gguf.GGMLQuantizationType
+
+
+def _tiny_gguf(tmp_path, tie: bool) -> str:
+    config = tiny_hf_config(tie=tie)
+    weights = random_weights(config, seed=3)
+    qtypes = {}
+    for name in weights:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            qtypes[name] = Q.Q4_0
+        elif name.endswith(("v_proj.weight", "gate_proj.weight", "up_proj.weight")):
+            qtypes[name] = Q.Q4_1  # q/k Q4_0 with v Q4_1: the fused qkv falls back to dense rows
+        elif name.endswith(("o_proj.weight", "down_proj.weight", "embed_tokens.weight")):
+            qtypes[name] = Q.Q8_0
+        elif name == "lm_head.weight":
+            qtypes[name] = Q.Q4_0
+    return write_gguf(str(tmp_path / f"tiny-{tie}.gguf"), config, weights, qtypes)
+
+
+def _engine(path: str, **options) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=path, kv_cache_memory="8MiB", max_model_len=200, **options))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+@pytest.mark.parametrize("path", ["q", "bf16", "fp32", "torch"])
+def test_each_forced_path_matches_dequantized_fp32(tmp_path, monkeypatch, tie, path):
+    gguf_path = _tiny_gguf(tmp_path, tie)
+    ref = _engine(gguf_path, dtype="float32", weights="dequantized")
+    assert ref.linear.path == "torch"
+    monkeypatch.setenv("PHASELAB_LINEAR", path)
+    tokens = list(range(3, 3 + 150))
+    want = ref.score(tokens)
+    for dtype in ("float32", "bfloat16"):
+        eng = _engine(gguf_path, dtype=dtype)
+        assert eng.linear.path == path and "PHASELAB_LINEAR" in eng.linear.reason
+        packed = [m for m in eng.executor.model.modules() if isinstance(m, PackedLinear)]
+        assert (len(packed) > 0) == (path != "torch")
+        for native_rows in (10**6, 0):  # every row through the kernel, then every row through the GEMM tile
+            for m in packed:
+                m.max_native_rows = native_rows
+            got = eng.score(tokens)
+            # fp32 end to end: summation order only; bf16 weights or activations: bf16 rounding
+            exact = dtype == "float32" and path != "bf16"
+            tol = 2e-4 if exact else 0.1
+            err = (got - want).abs().max().item()
+            assert err <= tol * want.abs().max().item(), f"{path}/{dtype}/native<={native_rows}: max logit error {err}"
+            agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+            assert agree >= (1.0 if exact else 0.9), f"{path}/{dtype}: top-1 agreement {agree}"
+
+
+def test_weights_option_and_record(tmp_path, monkeypatch):
+    monkeypatch.delenv("PHASELAB_LINEAR", raising=False)
+    gguf_path = _tiny_gguf(tmp_path, tie=True)
+    q = _engine(gguf_path, dtype="float32", weights="quantized")
+    assert q.linear.path == "q"
+    summary = q.run_config()["linear"]
+    assert summary["path"] == "q" and summary["formats"]["Q4_1"] == 2 and summary["tied_head"].startswith("embedding")
+    assert summary["cpu"]["isa"] and "probe" in summary
+    auto = _engine(gguf_path, dtype="float32")
+    assert auto.linear.path in ("q", "fp32", "torch") and "measured" in auto.linear.reason
+    with pytest.raises(Exception, match="weights"):
+        EngineArgs(weights="int4")
+    monkeypatch.setenv("PHASELAB_LINEAR", "int4")
+    with pytest.raises(Exception, match="PHASELAB_LINEAR"):
+        _engine(gguf_path)
+
+
+# -- the bundled model ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def engines(bundled_path):
+    import os
+
+    saved = os.environ.pop("PHASELAB_LINEAR", None)
+    try:
+        packed = load_checkpoint(bundled_path, torch.float32, keep_packed=True)
+        q = LLMEngine(EngineArgs(dtype="float32", weights="quantized", kv_cache_memory="512MiB", max_model_len=2048),
+                      checkpoint=packed)
+        ref = LLMEngine(EngineArgs(dtype="float32", weights="dequantized", kv_cache_memory="512MiB",
+                                   max_model_len=2048))
+    finally:
+        if saved is not None:
+            os.environ["PHASELAB_LINEAR"] = saved
+    return q, ref
+
+
+def test_bundled_weight_memory(engines, bundled_path):
+    q, ref = engines
+    assert q.linear.path == "q" and ref.linear.path == "torch"
+    reader = gguf.GGUFReader(bundled_path)
+    file_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    # every tensor as stored in the file (the tied head reuses the Q8_0 embedding rows), norms in fp32
+    assert q.linear_summary["weight_bytes"] == file_bytes
+    assert q.linear_summary["weight_bytes"] < 0.2 * ref.linear_summary["weight_bytes"]  # vs 538 MB fp32
+
+
+def test_bundled_greedy_token_identical_to_dequantized(engines):
+    from phaselab.core.sampling_params import SamplingParams
+
+    q, ref = engines
+    prompts = make_prompts(q.tokenizer)
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+
+    def run(engine):
+        ids = [engine.add_request(p, params) for p in prompts]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return [done[i] for i in ids]
+
+    ours, want = run(q), run(ref)
+    # compare_greedy raises on a real divergence; a near-tie (DESIGN.md) is reported, not failed
+    ties = [t for o, w, p in zip(ours, want, prompts) if (t := compare_greedy(o, w, p, ref.score))]
+    if ties:
+        warnings.warn("; ".join(ties))
+
+
+def test_bundled_teacher_forced_top1(engines):
+    q, ref = engines
+    prompts = make_prompts(q.tokenizer)
+    seq = prompts[-1][:1200]  # a long document, teacher-forced
+    for m in q.executor.model.modules():
+        if isinstance(m, PackedLinear):
+            m.max_native_rows = 10**6  # every position through the quantized kernel
+    try:
+        got, want = q.score(seq), ref.score(seq)
+    finally:
+        for m in q.executor.model.modules():
+            if isinstance(m, PackedLinear):
+                m.max_native_rows = q.linear.max_native_rows
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.995, f"teacher-forced top-1 agreement {agree:.4f}"
+    assert (got - want).abs().max().item() < 1e-2
