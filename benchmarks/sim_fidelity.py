@@ -186,6 +186,9 @@ def main() -> None:
                           "host": hw.host, "notes": fit.notes}
     report["fit"] = fit.summary()
     report["params"] = fit.params.to_json()
+    report["capped"] = [k for k in ("compute_efficiency", "memory_efficiency", "attention_efficiency",
+                                    "decode_attention_efficiency", "kv_memory_efficiency")
+                        if "capped at 1" in fit.params.source(k)]
     print(f"fit: |rel error| p50 {fit.summary()['relative_error_abs_p50']:.1%}, "
           f"p90 {fit.summary()['relative_error_abs_p90']:.1%}; total time {fit.summary()['total_time_error']:+.1%}",
           flush=True)
