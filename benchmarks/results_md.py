@@ -169,6 +169,14 @@ def fidelity_section(fid: dict | None) -> list[str]:
            " simulated figure; targets: p50 within 10%, p99 within 20%).", "",
            "| run | load (share of capacity) | load average | TTFT p50 | TTFT p99 | TBT p50 | TBT p99 |",
            "|---|---|---|---|---|---|---|"]
+    c = fid.get("ceilings")
+    if c:  # the efficiencies are fractions of the ceilings measured on the run's host (docs/simulator.md)
+        h = c.get("host", {})
+        out[2:2] = [f"Efficiencies capped at 1 of this host's ceilings, measured at the start: {h.get('cpu_model')} "
+                    f"({', '.join(h.get('isa', []))}; {h.get('threads')} threads, {h.get('dtype')}), GEMM "
+                    f"{c['peak_flops'] / 1e9:.0f} GFLOP/s, read {c['mem_bandwidth'] / 1e9:.1f} GB/s, load average "
+                    f"{h.get('load_average_before', [float('nan')])[0]:.1f}; capped: "
+                    f"{', '.join(fid.get('capped') or []) or 'none'}.", ""]
     for name, r in fid["runs"].items():
         c = r.get("comparison", {})
         la = r.get("load_average")

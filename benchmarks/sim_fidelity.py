@@ -2,6 +2,8 @@
 
     python benchmarks/sim_fidelity.py [--num-prompts 40] [--out benchmarks/results/sim_fidelity.json]
 
+0. this host's ceilings (phaselab/engine/ceilings.py: fastest bf16 GEMM of the model's shapes, read
+   bandwidth), recorded in every run directory; the calibration's efficiencies are capped at 1 of them
 1. capacity: all requests at once on the real engine (bundled model, bf16, chunked); capacity =
    requests / makespan. As the burst drains, its batches sweep from max_num_seqs down to 1.
 2. three runs with Poisson arrivals at 70% (seed 1, the run named "calibration"), 50% (seed 2) and
@@ -123,7 +125,7 @@ def main() -> None:
         with open(args.previous or args.out) as f:
             previous = json.load(f)
         capacity = previous["capacity_req_per_s"]
-        for key in ("measured", "source", "capacity_run"):
+        for key in ("measured", "source", "capacity_run", "ceilings"):
             if key in previous:
                 report[key] = previous[key]
         report["analyzed"] = report["date"]
@@ -142,6 +144,14 @@ def main() -> None:
         text_ids = engine.tokenizer.encode(long_text(60))
         report["source"] = source_state()
         report["measured"] = report["date"]
+        # this host's ceilings: recorded in every run directory; the calibration's efficiencies are capped
+        # at 1 of them (the catalog's cpu entry is another host's)
+        c = engine.record_ceilings()
+        report["ceilings"] = c
+        print(f"ceilings of this host ({c['host']['cpu_model']}, {', '.join(c['host']['isa'])}; {c['host']['threads']} "
+              f"threads, {c['host']['dtype']}): GEMM {c['peak_flops'] / 1e9:.0f} GFLOP/s, read "
+              f"{c['mem_bandwidth'] / 1e9:.1f} GB/s (load average {c['host']['load_average_before'][0]:.1f})",
+              flush=True)
         # 1. capacity: everything at once
         burst = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=0)
         quiet = wait_quiet(args.quiet_load, args.quiet_wait)
@@ -168,10 +178,17 @@ def main() -> None:
                   f"{load.summary()['max']:.1f})", flush=True)
     report["capacity_req_per_s"] = capacity
 
-    fit, _ = calibrate(os.path.join(args.workdir, args.calibrate_on))
+    fit, hw = calibrate(os.path.join(args.workdir, args.calibrate_on))
+    for note in fit.notes:
+        print(f"warning: {note}", flush=True)
     report["calibrated_on"] = args.calibrate_on
+    report["hardware"] = {"name": hw.name, "peak_flops": hw.peak_flops, "mem_bandwidth": hw.mem_bandwidth,
+                          "host": hw.host, "notes": fit.notes}
     report["fit"] = fit.summary()
     report["params"] = fit.params.to_json()
+    report["capped"] = [k for k in ("compute_efficiency", "memory_efficiency", "attention_efficiency",
+                                    "decode_attention_efficiency", "kv_memory_efficiency")
+                        if "capped at 1" in fit.params.source(k)]
     print(f"fit: |rel error| p50 {fit.summary()['relative_error_abs_p50']:.1%}, "
           f"p90 {fit.summary()['relative_error_abs_p90']:.1%}; total time {fit.summary()['total_time_error']:+.1%}",
           flush=True)
@@ -180,10 +197,10 @@ def main() -> None:
         reqs = random_requests(n, INPUT_LEN, OUTPUT_LEN, seed=seed,
                                arrivals=ArrivalPlan(request_rate=report["runs"][name]["rate"]))
         real = summarize(read_run_dir(run_dir).requests)
-        ratio = speed_ratio(run_dir, fit.params)
-        raw = compare(real, simulate_like(run_dir, reqs, fit.params))
-        corrected = compare(real, simulate_like(run_dir, reqs, fit.params, speed=ratio))
-        kinds = by_kind(run_dir, fit.params)
+        ratio = speed_ratio(run_dir, fit.params, hw)
+        raw = compare(real, simulate_like(run_dir, reqs, fit.params, hardware=hw))
+        corrected = compare(real, simulate_like(run_dir, reqs, fit.params, speed=ratio, hardware=hw))
+        kinds = by_kind(run_dir, fit.params, hw)
         report["runs"][name].update(comparison=raw, machine_speed_ratio=ratio, comparison_drift_corrected=corrected,
                                     iterations_by_kind=kinds, in_sample=name == args.calibrate_on)
         print(f"{name} measured/predicted iteration time: " + ", ".join(

@@ -34,6 +34,7 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
 from phaselab.core.timing import IterationRecord, RequestMetrics
+from phaselab.engine.ceilings import cpu_identity, measure_ceilings
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.engine.resolve import resolve
@@ -116,6 +117,9 @@ class LLMEngine:
                                       on_finished=self.metrics.observe_finished, on_iteration=self._observe_iteration)
         self._seen_query_tokens = self._seen_hit_tokens = 0
         self._ids = itertools.count()
+        self.ceilings: dict[str, Any] | None = None  # this host's, when measured (record_ceilings)
+        if args.measure_ceilings:
+            self.record_ceilings()
         logger.info(
             "engine ready: %s (%s, %s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
             config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, self.linear.summary(), num_blocks,
@@ -415,6 +419,13 @@ class LLMEngine:
         )
 
     # -- the run directory -----------------------------------------------------------------------
+    def record_ceilings(self, ceilings: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Measure this host's ceilings now (engine/ceilings.py: a few seconds, with this engine's model shapes,
+        dtype and threads), or take `ceilings` measured elsewhere; every run directory written after
+        records them in config.json ("ceilings"), where `phaselab simulate calibrate` finds them."""
+        self.ceilings = ceilings or measure_ceilings(self.model_config, self.dtype, log=logger.info)
+        return self.ceilings
+
     def run_config(self) -> dict[str, Any]:
         """config.json of a run directory: model, dtype, policy, budgets, versions, machine."""
         import phaselab
@@ -433,7 +444,8 @@ class LLMEngine:
             "versions": {"phaselab": phaselab.__version__, "torch": torch.__version__,
                          "python": platform.python_version()},
             "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(), **runtime_settings()},
+                        "cpu_count": os.cpu_count(), **cpu_identity(), **runtime_settings()},
+            **({"ceilings": self.ceilings} if self.ceilings else {}),
         }
 
     def write_record(self, path: str) -> None:

@@ -19,8 +19,8 @@ run whose decodes are bound by their K/V reads is never found from a start where
 compute-bound everywhere), and keeps the best fit seen. An efficiency no iteration was bound by
 is pinned at its starting value and the fit repeated, so that the fitted overheads account for
 what that term adds where the simulator will apply it. P and B are the hardware entry's peak
-FLOP/s and bandwidth (for this CPU: measured by benchmarks/roofline.py); the fitted efficiencies
-are relative to them.
+FLOP/s and bandwidth (for a CPU run: the ceilings measured on the run's host, phaselab/engine/ceilings.py,
+recorded in the run; host.py); the fitted efficiencies are relative to them, at most 1.
 
 The measured time of an iteration is its cycle, as the simulator's clock advances it: start to
 the next iteration's start while the engine stayed busy (the engine loop's own work between two
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import Any
@@ -42,6 +43,7 @@ from phaselab.obs.cost import CostFormulas, keys_attended
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.cost import CostParams, default_params
+from phaselab.sim.host import host_mismatch, run_hardware
 from phaselab.spec.config import ModelConfig
 
 COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "a_att_d", "m_kv")
@@ -58,6 +60,7 @@ class Fit:
     rel_errors: list[float] = field(repr=False, default_factory=list)  # (predicted - measured) / measured
     measured_total_s: float = 0.0
     predicted_total_s: float = 0.0
+    notes: list[str] = field(default_factory=list)  # e.g. the ceilings were measured on another CPU (host.py)
 
     def summary(self) -> dict[str, Any]:
         errs = np.abs(np.asarray(self.rel_errors)) if self.rel_errors else np.zeros(1)
@@ -78,7 +81,8 @@ class Fit:
 
     def to_json(self, hardware: HardwareSpec) -> dict[str, Any]:
         return {"hardware": hardware.name, **self.params.to_json(), "fit": {**self.summary(),
-                                                                           "coefficients": self.coefficients}}
+                                                                           "coefficients": self.coefficients,
+                                                                           "notes": self.notes}}
 
 
 def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
@@ -353,16 +357,25 @@ def run_model(config: dict[str, Any]) -> tuple[ModelConfig, int]:
     return model, dtype_bytes
 
 
-def calibrate(path: str | PathLike[str], hardware: str = "cpu", weighting: str = "sqrt") -> tuple[Fit, HardwareSpec]:
+def calibrate(path: str | PathLike[str], hardware: str | HardwareSpec | None = None, weighting: str = "sqrt"
+              ) -> tuple[Fit, HardwareSpec]:
+    """Fit a real run. The efficiencies are capped at 1 of `hardware`'s ceilings: by default the ones the
+    engine measured on the run's host and recorded in it, else the catalog's `cpu` entry (host.py); a
+    warning (also in fit.notes) says when they were measured on another CPU than the run's."""
     data = read_run_dir(path)
     if data.config.get("simulated"):
         raise ValueError(f"{path} is a simulated run; calibrate on a real one")
     model, dtype_bytes = run_model(data.config)
-    hw = get_hardware(hardware)
+    hw = run_hardware(data.config) if hardware is None else \
+        hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     iters = sorted(data.iterations, key=lambda r: r.start_ns)
     if not iters:
         raise ValueError(f"{path} has no iterations to fit")
-    return fit_params(iters, iteration_cycles(iters), model, hw, dtype_bytes, str(path), weighting=weighting), hw
+    fit = fit_params(iters, iteration_cycles(iters), model, hw, dtype_bytes, str(path), weighting=weighting)
+    fit.notes = host_mismatch(data.config, hw)
+    for note in fit.notes:
+        warnings.warn(note, stacklevel=2)
+    return fit, hw
 
 
 def write_params(fit: Fit, hw: HardwareSpec, out: str) -> None:

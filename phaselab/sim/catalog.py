@@ -88,6 +88,9 @@ class HardwareSpec:
     sources: dict[str, str] = field(default_factory=dict, compare=False)
     cost_params: dict[str, Any] | None = field(default=None, compare=False, metadata={
         "help": "CostParams fields of a device read from a file (catalog_files.py); None: the catalog's defaults"})
+    host: dict[str, Any] | None = field(default=None, compare=False, metadata={
+        "help": "a measured CPU's identity (cpu_model, isa, hostname, measured_at, load average, threads, dtype; "
+                "phaselab/engine/ceilings.py): calibrate warns when a run names another CPU"})
 
 
 HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
@@ -103,16 +106,22 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
         "peak_flops": "datasheet: H200 SXM, 989 TFLOPS dense BF16 (same compute as H100 SXM)",
         "mem_bandwidth": "datasheet: H200, 4.8 TB/s HBM3e",
         "memory_bytes": "datasheet: 141 GB HBM3e"}),
-    # This machine: 2 cores of an Intel Xeon (Sapphire Rapids family, AVX512-BF16, no AMX exposed).
-    # Figures from `python benchmarks/roofline.py --quick` on it; `phaselab simulate calibrate` fits
-    # the efficiencies and overheads of a real run against them.
-    HardwareSpec("cpu", 180e9, 27.7e9, 23 * GiB, "pcie4", "this CPU (2 cores), as measured", {
+    # A documented default, not this host: 2 cores of the Intel Xeon (Sapphire Rapids family, AVX512-BF16, no
+    # AMX exposed) an earlier session ran on, from `python benchmarks/roofline.py --quick` there. The host
+    # changes between sessions (an AMD EPYC runs the same GEMMs 1.2-1.9x faster), so `phaselab simulate
+    # calibrate` bounds its fit by the ceilings measured on the run's own host (phaselab/engine/ceilings.py,
+    # recorded in the run directory) and warns when it falls back to this entry for a run of another CPU.
+    HardwareSpec("cpu", 180e9, 27.7e9, 23 * GiB, "pcie4", "an earlier session's CPU (2 cores), as measured there", {
         "peak_flops": "measured: benchmarks/results/roofline.json (quiet machine, 2 threads), the fastest bf16 "
                       "GEMM of the bundled model's shapes, 179.7 GFLOP/s (o_proj at 2048 rows)",
         "mem_bandwidth": "measured: benchmarks/results/roofline.json (quiet machine), read bandwidth of a 1 GiB "
                          "array, 27.7 GB/s",
         "memory_bytes": "measured: free -g, 23 GiB",
-        "tp_link": "default: unused (one device)"}),
+        "tp_link": "default: unused (one device)"},
+        host={"cpu_model": "Intel Xeon (Sapphire Rapids family; its model name was not recorded)",
+              "isa": ["avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"], "cpu_capability": "AVX512",
+              "threads": 2, "dtype": "bfloat16", "model": "smollm2-135m",
+              "measured_at": "2026-11-30T12:58:27 (benchmarks/results/roofline.json)"}),
 )}
 HARDWARE_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200", "this-cpu": "cpu"}
 

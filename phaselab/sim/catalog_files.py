@@ -9,7 +9,9 @@ hardware (units: FLOP/s, bytes/s, bytes; every number may say where it came from
      "tp_link": "infinity-fabric.json",            # a catalog link name or a link file (relative to this file)
      "description": "AMD Instinct MI300X",
      "sources": {"peak_flops": "datasheet: ...", "mem_bandwidth": "datasheet: ..."},
-     "cost_params": {"compute_efficiency": 0.6, ...}}   # optional: CostParams fields (or a fit's JSON)
+     "cost_params": {"compute_efficiency": 0.6, ...},   # optional: CostParams fields (or a fit's JSON)
+     "host": {"cpu_model": "AMD EPYC", "isa": [...], "measured_at": ..., ...}}  # optional: a measured CPU
+                                                   # (phaselab/engine/ceilings.py writes these files)
 
 link:
 
@@ -29,7 +31,7 @@ from typing import Any
 from phaselab.errors import ConfigError
 
 HARDWARE_FIELDS = {"name": str, "peak_flops": float, "mem_bandwidth": float, "memory_bytes": float}
-HARDWARE_OPTIONAL = {"tp_link", "description", "sources", "cost_params"}
+HARDWARE_OPTIONAL = {"tp_link", "description", "sources", "cost_params", "host"}
 LINK_FIELDS = {"name": str, "bandwidth": float, "latency_s": float}
 LINK_OPTIONAL = {"per_gpu", "description", "sources"}
 
@@ -77,13 +79,20 @@ def load_link(path: str) -> Any:
 
 
 def load_hardware(path: str) -> Any:
+    return hardware_from_dict(_read(path, "hardware"), path, os.path.dirname(os.path.abspath(path)))
+
+
+def hardware_from_dict(d: dict[str, Any], path: str, base_dir: str = ".") -> Any:
+    """A HardwareSpec from a hardware file's object (`path` names where it came from in errors and sources;
+    a relative tp_link file is looked up in `base_dir`)."""
     from phaselab.sim.catalog import HardwareSpec, get_link
 
-    d = _read(path, "hardware")
+    if not isinstance(d, dict):
+        raise ConfigError(f"hardware {path}: expected a JSON object with fields {', '.join(HARDWARE_FIELDS)}")
     _check(d, path, "hardware", HARDWARE_FIELDS, HARDWARE_OPTIONAL)
     tp_link = str(d.get("tp_link", "nvlink4"))
     if is_file_ref(tp_link) and not os.path.isabs(tp_link):
-        tp_link = os.path.join(os.path.dirname(os.path.abspath(path)), tp_link)
+        tp_link = os.path.join(base_dir, tp_link)
     get_link(tp_link)  # fail here, naming the hardware file, rather than at the first TP engine
     params = d.get("cost_params")
     if params is not None:
@@ -94,5 +103,8 @@ def load_hardware(path: str) -> Any:
         CostParams.from_json({k: v for k, v in params.items() if k not in ("fit", "link", "hardware")})  # validate
     sources = {k: str(v) for k, v in (d.get("sources") or {}).items()}
     sources.setdefault("*", f"file {path}")
+    host = d.get("host")
+    if host is not None and not isinstance(host, dict):
+        raise ConfigError(f"hardware file {path}: host must be an object (cpu_model, isa, measured_at, ...)")
     return HardwareSpec(str(d["name"]), float(d["peak_flops"]), float(d["mem_bandwidth"]), int(d["memory_bytes"]),
-                        tp_link, str(d.get("description", "")), sources, cost_params=params)
+                        tp_link, str(d.get("description", "")), sources, cost_params=params, host=host)

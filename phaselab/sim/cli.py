@@ -63,8 +63,12 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                                      "iteration times vs the plans' FLOPs and bytes, least squares) and report the "
                                      "fit error.")
     cal.add_argument("run_dir", metavar="RUN_DIR")
-    cal.add_argument("--hardware", default="cpu", help="catalog entry (or hardware JSON file) the run ran on "
-                                                       "(default: %(default)s)")
+    cal.add_argument("--hardware", default=None, help="hardware JSON file (or catalog entry) whose ceilings bound "
+                                                     "the fit (default: the ceilings the engine measured and recorded "
+                                                     "in the run, else the catalog's cpu entry, with a warning)")
+    cal.add_argument("--measure-host", metavar="FILE.json", default=None,
+                     help="measure this host's ceilings now (the run's model, dtype and threads; a few seconds), write "
+                          "them to FILE.json and bound the fit by them")
     cal.add_argument("--out", default=None, help="write the fitted parameters (JSON, with sources) here")
     cal.add_argument("--weighting", default="sqrt", choices=["sqrt", "relative", "absolute"],
                      help="least-squares weight of each iteration's error: 1/sqrt(time), 1/time or 1 "
@@ -306,12 +310,23 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
-    from phaselab.sim.calibrate import calibrate, write_params
+    import warnings
 
-    fit, hw = calibrate(ns.run_dir, ns.hardware, ns.weighting)
+    from phaselab.sim.calibrate import calibrate, write_params
+    from phaselab.sim.host import measure_host, write_hardware
+
+    if ns.measure_host and ns.hardware:
+        raise ConfigError("pass either --hardware or --measure-host, not both")
+    hardware = measure_host(ns.run_dir, ns.measure_host) if ns.measure_host else ns.hardware
+    with warnings.catch_warnings():  # printed below, once
+        warnings.simplefilter("ignore")
+        fit, hw = calibrate(ns.run_dir, hardware, ns.weighting)
+    for note in fit.notes:
+        print(f"warning: {note}", file=sys.stderr)
     s = fit.summary()
     print(f"fitted on {s['num_iterations']} iterations of {ns.run_dir} against {hw.name} "
-          f"(peak {hw.peak_flops / 1e9:.0f} GFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s)")
+          f"(peak {hw.peak_flops / 1e9:.0f} GFLOP/s, {hw.mem_bandwidth / 1e9:.1f} GB/s"
+          + (f", measured on {hw.host.get('cpu_model')} {hw.host.get('measured_at', '')}" if hw.host else "") + ")")
     print(f"  fit error per iteration: |rel| mean {s['relative_error_abs_mean']:.1%}, p50 "
           f"{s['relative_error_abs_p50']:.1%}, p90 {s['relative_error_abs_p90']:.1%}, p99 "
           f"{s['relative_error_abs_p99']:.1%}; RMS {s['relative_error_rms']:.1%}; total time "
@@ -321,7 +336,11 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
             print(f"  {k:<22} {'-' if v is None else format(v, '.6g')}   ({fit.params.source(k)})")
     if ns.out:
         write_params(fit, hw, ns.out)
-        print(f"parameters written to {ns.out}; use them with --hardware {hw.name} --params {ns.out}")
+        hw_ref = ns.measure_host or ns.hardware or hw.name
+        if hw_ref == hw.name and hw.host is not None and hw.name != "cpu":  # the run's recorded ceilings
+            hw_ref = os.path.splitext(ns.out)[0] + ".hardware.json"  # as a file the simulator can take
+            write_hardware(hw, hw_ref)
+        print(f"parameters written to {ns.out}; use them with --hardware {hw_ref} --params {ns.out}")
     return 0
 
 

@@ -12,6 +12,10 @@ Shared by `benchmarks/sim_fidelity.py` (40 requests, three loads) and its CI tes
     scaled         a cost model with every time multiplied by k (drift correction)
     by_kind        measured / predicted time per kind of iteration (prefill only, mixed, decode only)
 
+Every prediction prices the run against the hardware its parameters were fitted on: `hardware=`
+(calibrate's second result), by default the ceilings the engine measured on the run's host and
+recorded in it (host.run_hardware), else the catalog's `cpu` entry.
+
 The engine is passed in (built by the caller with `phaselab.LLM`): this module imports neither torch
 nor `phaselab.engine`, like the rest of the simulator.
 """
@@ -28,8 +32,9 @@ import numpy as np
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim import calibrate as cal
-from phaselab.sim.catalog import get_hardware
+from phaselab.sim.catalog import HardwareSpec
 from phaselab.sim.cost import CostParams
+from phaselab.sim.host import run_hardware
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import replay_inputs
 from phaselab.sim.report import summarize
@@ -72,12 +77,14 @@ def speed_probe(engine: Any, text_ids: list[int], tag: str, n: int = 3, num_toke
     return float(np.median(times))
 
 
-def simulate_like(run_dir: str, reqs: list[SimRequest], params: CostParams, speed: float = 1.0) -> dict:
+def simulate_like(run_dir: str, reqs: list[SimRequest], params: CostParams, speed: float = 1.0,
+                  hardware: HardwareSpec | None = None) -> dict:
     """The simulator's prediction of a real run: its scheduler config and KV blocks, these requests
-    (with their arrival times), the cost model `params` (on a machine `speed` times slower than the
-    calibration's: every time multiplied by it, see `scaled`); returns report.summarize's dict."""
+    (with their arrival times), the cost model `params` fitted against `hardware`'s ceilings (default:
+    the run's own, host.run_hardware) (on a machine `speed` times slower than the calibration's: every
+    time multiplied by it, see `scaled`); returns report.summarize's dict."""
     d_replay, _, _, _ = replay_inputs(read_run_dir(run_dir))
-    hw = d_replay.hardware
+    hw = hardware or d_replay.hardware
     if speed != 1.0:  # the ceilings move, not the efficiencies (they stay fractions of them, <= 1)
         hw = dataclasses.replace(hw, peak_flops=hw.peak_flops / speed, mem_bandwidth=hw.mem_bandwidth / speed)
         params = scaled(params, speed)
@@ -96,19 +103,21 @@ def compare(real: dict, sim: dict) -> dict:
     return out
 
 
-def _measured_predicted(run_dir: str, params: CostParams) -> tuple[list, np.ndarray, np.ndarray]:
-    """A run's iterations (by start), their measured and predicted (under `params`) times in s."""
+def _measured_predicted(run_dir: str, params: CostParams, hardware: HardwareSpec | None = None
+                        ) -> tuple[list, np.ndarray, np.ndarray]:
+    """A run's iterations (by start), their measured and predicted (under `params`, fitted against
+    `hardware`; default: the run's own ceilings) times in s."""
     data = read_run_dir(run_dir)
     model, dtype_bytes = cal.run_model(data.config)
     iters = sorted(data.iterations, key=lambda r: r.start_ns)
-    pred = cal.predict_iterations(params, iters, model, get_hardware("cpu"), dtype_bytes)
+    pred = cal.predict_iterations(params, iters, model, hardware or run_hardware(data.config), dtype_bytes)
     return iters, np.asarray(cal.iteration_cycles(iters)) / 1e9, np.asarray(pred)
 
 
-def speed_ratio(run_dir: str, params: CostParams) -> float:
+def speed_ratio(run_dir: str, params: CostParams, hardware: HardwareSpec | None = None) -> float:
     """Median measured / predicted iteration time of a run under `params`: how much faster or
     slower the (shared) machine was during this run than the calibration says."""
-    _, meas, pred = _measured_predicted(run_dir, params)
+    _, meas, pred = _measured_predicted(run_dir, params, hardware)
     return float(np.median(meas / pred))
 
 
@@ -121,9 +130,9 @@ def scaled(params: CostParams, k: float) -> CostParams:
         token_overhead_s=params.token_overhead_s * k)
 
 
-def by_kind(run_dir: str, params: CostParams) -> dict:
+def by_kind(run_dir: str, params: CostParams, hardware: HardwareSpec | None = None) -> dict:
     """Measured / predicted iteration time per kind of iteration (prefill only, mixed, decode only)."""
-    iters, meas, pred = _measured_predicted(run_dir, params)
+    iters, meas, pred = _measured_predicted(run_dir, params, hardware)
     kinds = np.array([("P" if r.num_prefill_tokens else "") + ("D" if r.num_decode_tokens else "") for r in iters])
     out = {}
     for kind, label in (("P", "prefill_only"), ("PD", "mixed"), ("D", "decode_only")):

@@ -32,7 +32,7 @@ from phaselab.errors import PhaselabError
 from phaselab.obs.cost import plan_counts
 from phaselab.obs.rundir import RunData, read_run_dir
 from phaselab.sim.calibrate import run_model
-from phaselab.sim.catalog import get_hardware
+from phaselab.sim.host import run_hardware
 from phaselab.sim.cost import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import SimResult, Simulator
@@ -117,7 +117,7 @@ def replay_inputs(data: RunData) -> tuple[Deployment, list[SimRequest], list[int
     rc = RoleConfig(tp=1, policy=sched.policy, max_num_batched_tokens=sched.max_num_batched_tokens,
                     max_num_seqs=sched.max_num_seqs, long_prefill_token_threshold=sched.long_prefill_token_threshold,
                     max_num_partial_prefills=sched.max_num_partial_prefills, num_blocks=cache_cfg.num_blocks)
-    deployment = Deployment(model, get_hardware("cpu"), colocated=rc, dtype_bytes=dtype_bytes,
+    deployment = Deployment(model, run_hardware(cfg), colocated=rc, dtype_bytes=dtype_bytes,
                             block_size=cache_cfg.block_size, enable_prefix_caching=cache_cfg.enable_prefix_caching,
                             max_model_len=sched.max_model_len)
     cycles = []

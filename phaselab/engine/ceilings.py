@@ -1,0 +1,203 @@
+"""This host's ceilings, measured in a few seconds: the hardware entry a CPU calibration is bounded by.
+
+    python -m phaselab.engine.ceilings [--run RUN_DIR | --model PATH] [--dtype bfloat16] [--threads N]
+                                       [--out host.json]
+
+The cost model's efficiencies are fractions of a device's peak FLOP/s and memory bandwidth, at most 1
+(phaselab/sim/efficiency.py). On a CPU the "peak" is what this host reaches, not a datasheet, and it
+differs between the hosts these sessions run on (an AMD EPYC with AVX512-BF16 does ~215 GFLOP/s bf16
+on the bundled model's shapes with 2 threads, the Intel Xeon the catalog's `cpu` entry was measured
+on ~180). So the ceilings are measured on the host that makes the run, with the run's dtype, model
+shapes and torch threads:
+
+    peak_flops     the fastest GEMM (torch.nn.functional.linear, as the model's nn.Linear runs it) of
+                   the model's per-layer linear shapes (qkv, o, gate_up, down) at 256, 1024 and 2048
+                   rows: the best of several short trials per shape (a shared machine only ever slows
+                   a trial down, so the best one is the closest to the ceiling)
+    mem_bandwidth  the read bandwidth of a 256 MiB array (sum), best of several trials
+    memory_bytes   MemTotal of /proc/meminfo
+
+The result is a hardware file (phaselab/sim/catalog_files.py's schema, usable as `--hardware
+FILE.json` anywhere) whose `host` object names the CPU model, its ISA flags, torch's CPU capability,
+the threads, dtype and model, where and when it was measured, the load average before and after,
+and every rate measured. The engine records it in the run directory's config.json ("ceilings") when
+asked (EngineArgs.measure_ceilings, or LLMEngine.record_ceilings()), and `phaselab simulate calibrate`
+bounds its fit by it (docs/simulator.md, "CPU ceilings").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from phaselab.spec.config import ModelConfig
+
+GEMM_ROWS = (256, 1024, 2048)
+BANDWIDTH_BYTES = 256 * 2**20  # far beyond any L3 of these hosts (32 MiB on the EPYC)
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")
+
+
+def cpu_identity() -> dict[str, Any]:
+    """The CPU model name and the ISA flags that decide matmul speed (from /proc/cpuinfo), torch's CPU
+    capability and the logical CPUs: what config.json's "machine" and the ceilings' "host" both name,
+    so that calibrate can tell whether a run and its ceilings come from the same kind of CPU."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor() or platform.machine(),
+            "isa": [f for f in ISA_FLAGS if f in flags],
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "logical_cpus": os.cpu_count()}
+
+
+def _memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def best_time(fn: Callable[[], Any], trials: int, trial_s: float) -> float:
+    """Seconds per call of `fn`: the fastest of `trials` trials, each averaging the calls of at least
+    `trial_s` seconds (one warm-up call first)."""
+    fn()
+    best = float("inf")
+    for _ in range(trials):
+        n, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= trial_s:
+                break
+        best = min(best, elapsed / n)
+    return best
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of one layer's linear layers as the model builds them (q/k/v and
+    gate/up fused)."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"qkv": (h, config.q_size + 2 * config.kv_size), "o": (config.q_size, h),
+            "gate_up": (h, 2 * i), "down": (i, h)}
+
+
+def measure_ceilings(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] = GEMM_ROWS,
+                     trials: int = 5, trial_s: float = 0.03, bandwidth_bytes: int = BANDWIDTH_BYTES,
+                     log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measure this host's ceilings in this process (its torch threads); a hardware-file dict (module
+    docstring). About 3 s on 2 quiet cores for the bundled model."""
+    say = log or (lambda _msg: None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    ident = cpu_identity()
+    load_before, t_start = os.getloadavg(), time.perf_counter()
+    measured_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    say(f"measuring this host's ceilings ({ident['cpu_model']}, {torch.get_num_threads()} threads, {dtype_name}) ...")
+    gen = torch.Generator().manual_seed(0)
+    rates: dict[str, dict[str, float]] = {}
+    for name, (k, n) in layer_shapes(config).items():
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        rates[name] = {}
+        for m in rows:
+            x = torch.randn(m, k, generator=gen).to(dtype)
+            t = best_time(lambda x=x, w=w: torch.nn.functional.linear(x, w), trials, trial_s)
+            rates[name][str(m)] = 2 * m * k * n / t
+    best_shape, best_rows = max(((s, r) for s in rates for r in rates[s]), key=lambda sr: rates[sr[0]][sr[1]])
+    peak = rates[best_shape][best_rows]
+    a = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
+    read_s = best_time(lambda: a.sum(), trials, trial_s)
+    read = bandwidth_bytes / read_s
+    del a
+    load_after, duration = os.getloadavg(), time.perf_counter() - t_start
+    host_name = platform.node()
+    where = (f"{ident['cpu_model']} ({', '.join(ident['isa']) or 'no AVX2/AVX-512/AMX flags'}), host {host_name}, "
+             f"{measured_at}, {torch.get_num_threads()} torch threads, load average {load_before[0]:.1f}")
+    say(f"  {dtype_name} GEMM peak {peak / 1e9:.0f} GFLOP/s ({best_shape} at {best_rows} rows); read bandwidth "
+        f"{read / 1e9:.1f} GB/s; {duration:.1f} s, load average {load_before[0]:.1f} -> {load_after[0]:.1f}")
+    return {
+        "name": "measured-cpu",
+        "peak_flops": peak,
+        "mem_bandwidth": read,
+        "memory_bytes": _memory_bytes(),
+        "tp_link": "pcie4",
+        "description": f"this host's CPU as measured: {ident['cpu_model']}, {torch.get_num_threads()} threads, "
+                       f"{dtype_name}",
+        "sources": {
+            "peak_flops": f"measured: phaselab.engine.ceilings on {where}: the fastest {dtype_name} GEMM of "
+                          f"{config.name or 'the model'}'s layer shapes, {best_shape} at {best_rows} rows, best of "
+                          f"{trials} trials of {trial_s * 1e3:.0f} ms",
+            "mem_bandwidth": f"measured: phaselab.engine.ceilings on {where}: read (sum) of a "
+                             f"{bandwidth_bytes / 2**20:.0f} MiB array, best of {trials} trials",
+            "memory_bytes": "measured: /proc/meminfo MemTotal",
+            "tp_link": "default: unused (one device)"},
+        "host": {
+            **ident, "hostname": host_name, "measured_at": measured_at, "threads": torch.get_num_threads(),
+            "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "dtype": dtype_name, "model": config.name,
+            "load_average_before": list(load_before), "load_average_after": list(load_after),
+            "duration_s": round(duration, 2), "gemm_flops_per_s": rates, "read_bytes_per_s": read,
+            "method": "phaselab.engine.ceilings.measure_ceilings"},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m phaselab.engine.ceilings", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--run", metavar="RUN_DIR",
+                     help="take the model, dtype and torch threads from this run's config.json")
+    src.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled model)")
+    ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: the run's, else bfloat16")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the run's, else torch's)")
+    ap.add_argument("--out", default=None, help="write the hardware JSON here (default: stdout)")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    dtype_name, threads = args.dtype, args.threads
+    if args.run:
+        from phaselab.obs.rundir import read_run_dir
+
+        cfg = read_run_dir(args.run).config
+        config = ModelConfig.from_dict(cfg["model"]["config"])
+        dtype_name = dtype_name or str(cfg.get("dtype", "bfloat16"))
+        threads = threads or (cfg.get("machine") or {}).get("torch_num_threads")
+    else:
+        from phaselab.model.loader import load_checkpoint
+
+        config = load_checkpoint(args.model).config
+    if threads:
+        torch.set_num_threads(int(threads))
+    result = measure_ceilings(config, getattr(torch, dtype_name or "bfloat16"),
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+    text = json.dumps(result, indent=2) + "\n"
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text)
+        print(f"wrote {args.out}; calibrate with `phaselab simulate calibrate RUN_DIR --hardware {args.out}`",
+              file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
