@@ -79,7 +79,13 @@ from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from phaselab.core.outputs import RequestDelta, ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.core.request import Request, RequestStatus
-from phaselab.core.slo import BudgetDecision, IterationCostCoefficients, choose_prefill_budget
+from phaselab.core.slo import (
+    BudgetDecision,
+    IterationCostCoefficients,
+    choose_prefill_budget,
+    chunk_cost,
+    largest_chunk_within,
+)
 from phaselab.errors import InvalidRequestError
 
 
@@ -105,6 +111,8 @@ class Scheduler:
         # zero (every budget fits) until the first fit
         self.cost_coefficients = cost_coefficients or IterationCostCoefficients()
         self._prefill_left = 0  # prefill tokens this iteration may still schedule
+        # predicted seconds of prefill this iteration may still add (adaptive, feasible), else None
+        self._time_left: float | None = None
 
     def set_cost_coefficients(self, coefficients: IterationCostCoefficients) -> None:
         """The adaptive budget's cost model for the next schedule() (the engine refits it)."""
@@ -213,9 +221,18 @@ class Scheduler:
         self.iteration_id += 1
         plan = SchedulerOutput(iteration_id=self.iteration_id)
         budget = self._prefill_left = self.scheduler_config.max_num_batched_tokens
+        self._time_left = None
         if self.scheduler_config.adaptive:
-            plan.budget = self._choose_budget()
-            self._prefill_left = plan.budget.prefill_budget
+            plan.budget = decision = self._choose_budget()
+            self._prefill_left = decision.prefill_budget
+            if decision.feasible and decision.reason in ("target", "all-prefill-fits"):
+                # The token budget was planned from each waiting request's prefix hit; this
+                # iteration's own allocations may evict a cached block first, so each chunk is
+                # also held to the time left, priced from its actual start.
+                c = self.cost_coefficients
+                contexts = [r.num_computed_tokens + 1 for r in self.running if not r.is_prefill]
+                self._time_left = decision.limit_s - c.overhead_s - c.decode_seq_s * len(contexts) \
+                    - c.decode_context_s * sum(contexts)
         if self.scheduler_config.policy == "prefill-first":
             self._schedule_waiting(plan, budget, whole_prompts=True)
             if not plan.scheduled:
@@ -264,7 +281,8 @@ class Scheduler:
                 num_decodes_left -= 1
                 num_new = 1
             else:
-                num_new = self._chunk_size(request.num_tokens_to_compute, budget - num_decodes_left)
+                num_new = self._chunk_size(request.num_tokens_to_compute, budget - num_decodes_left,
+                                           request.num_computed_tokens)
                 if num_new == 0:
                     i += 1
                     continue
@@ -297,7 +315,7 @@ class Scheduler:
                     break
                 num_new = num_to_compute
             else:
-                num_new = self._chunk_size(num_to_compute, budget)
+                num_new = self._chunk_size(num_to_compute, budget, num_hit_tokens)
                 if num_new == 0:
                     break  # the adaptive budget allows no more prefill in this iteration
             left_partial = self._leaves_partial(request, num_to_compute - num_new)
@@ -318,10 +336,12 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _chunk_size(self, num_to_compute: int, budget: int) -> int:
+    def _chunk_size(self, num_to_compute: int, budget: int, start: int) -> int:
         num_new = min(num_to_compute, budget, self._prefill_left)
         if self.scheduler_config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.scheduler_config.long_prefill_token_threshold)
+        if self._time_left is not None and num_new > 0:
+            num_new = largest_chunk_within(self.cost_coefficients, start, num_new, self._time_left)
         return max(num_new, 0)
 
     @staticmethod
@@ -354,6 +374,8 @@ class Scheduler:
         request.num_computed_tokens += num_new
         if is_prefill:
             self._prefill_left -= num_new
+            if self._time_left is not None:
+                self._time_left -= chunk_cost(self.cost_coefficients, num_new, start)
 
     def _preempt(self, request: Request, plan: SchedulerOutput) -> None:
         # Its full computed blocks were registered by update(): they stay cached while free.

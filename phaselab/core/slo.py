@@ -183,3 +183,25 @@ def choose_prefill_budget(
         else:
             bad = mid
     return BudgetDecision(good, target_s, limit, predicted(good), True, "target")
+
+
+def chunk_cost(coeffs: IterationCostCoefficients, num_tokens: int, start: int) -> float:
+    """The prefill terms of one chunk of `num_tokens` after `start` cached tokens."""
+    return coeffs.prefill_token_s * num_tokens + coeffs.prefill_context_s * chunk_keys(num_tokens, start)
+
+
+def largest_chunk_within(coeffs: IterationCostCoefficients, start: int, max_tokens: int, seconds: float) -> int:
+    """The most tokens (<= max_tokens) a chunk after `start` cached tokens may carry for its
+    prefill terms to cost at most `seconds` (0 when not even one token fits)."""
+    if max_tokens <= 0 or chunk_cost(coeffs, 1, start) > seconds:
+        return 0
+    good, bad = 1, max_tokens + 1
+    if chunk_cost(coeffs, max_tokens, start) <= seconds:
+        return max_tokens
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if chunk_cost(coeffs, mid, start) <= seconds:
+            good = mid
+        else:
+            bad = mid
+    return good
