@@ -205,3 +205,14 @@ def largest_chunk_within(coeffs: IterationCostCoefficients, start: int, max_toke
         else:
             bad = mid
     return good
+
+
+def budget_fields(plan, predicted_s: float | None) -> dict:
+    """The IterationRecord fields of the adaptive budget for one executed plan (empty when the
+    budget is fixed): one place for the engine, the simulator and the router to stamp them."""
+    d = plan.budget
+    if d is None:
+        return {}
+    return {"prefill_budget": d.prefill_budget, "budget_reason": d.reason, "slo_tbt_s": d.target_s,
+            "slo_feasible": d.feasible,
+            "predicted_ns": None if predicted_s is None else round(predicted_s * 1e9)}
