@@ -61,8 +61,10 @@ class SchedulerConfig:
                 **options: Any) -> SchedulerConfig:
         """The config with the budget's default decided (the one place it is): a given budget as is;
         none (or 0) -> CHUNKED_BUDGET_DEFAULT for chunked, max_model_len for prefill-first (which
-        prefills each prompt whole). `options` are the other fields."""
+        prefills each prompt whole); slo_min_chunk capped at that budget. `options` are the other fields."""
         budget = max_num_batched_tokens or (CHUNKED_BUDGET_DEFAULT if policy == "chunked" else max_model_len)
+        if "slo_min_chunk" in options:  # the adaptive budget's floor never above its ceiling
+            options["slo_min_chunk"] = min(options["slo_min_chunk"], budget)
         return cls(policy=policy, max_num_batched_tokens=budget, max_model_len=max_model_len, **options)
 
     def __post_init__(self) -> None:

@@ -40,7 +40,7 @@ N = len(COEFFICIENT_NAMES)
 @dataclass(frozen=True)
 class FitterConfig:
     forgetting: float = 0.98  # lam
-    noise_s: float = 2e-3  # typical measurement noise of one iteration's time
+    noise_s: float = 1e-4  # measurement noise of one iteration's time: weighs data against the prior
     prior_relative_std: float = 1.0  # how far from its seed a seeded coefficient plausibly is (x seed)
     prior_floor_s: float = 1.0  # prior std (scaled units) of a coefficient seeded at 0: learn it from data
     max_sweeps: int = 200  # coordinate-descent sweeps per update (warm-started: usually a few)

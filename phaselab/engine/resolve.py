@@ -70,7 +70,7 @@ def resolve(args: EngineArgs, model_config: SizedModel, dtype_bytes: int) -> Res
         slo_tbt_ms=args.slo_tbt_ms,
         slo_ttft_ms=args.slo_ttft_ms,
         slo_margin=args.slo_margin,
-        slo_min_chunk=min(args.slo_min_chunk, budget),
+        slo_min_chunk=args.slo_min_chunk,
     )
     return ResolvedConfig(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching), scheduler,
                           block_bytes)

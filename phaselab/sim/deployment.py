@@ -42,6 +42,11 @@ class RoleConfig:
     max_num_partial_prefills: int = field(default=1, metadata={
         "help": "most requests left mid-prefill after an iteration"})
     num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (None: from memory)"})
+    slo_tbt_ms: float = field(default=0.0, metadata={
+        "help": "TBT target (ms, 0 = off): the adaptive prefill budget, learned online as on the engine"})
+    slo_ttft_ms: float = field(default=0.0, metadata={"help": "TTFT target (ms, 0 = off), reported as attainment"})
+    slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept for prediction error"})
+    slo_min_chunk: int = field(default=32, metadata={"help": "smallest prefill chunk the adaptive budget gives"})
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,9 @@ class Deployment:
         return SchedulerConfig.resolve(policy=rc.policy, max_num_batched_tokens=rc.max_num_batched_tokens,
                                        max_num_seqs=rc.max_num_seqs, max_model_len=max_model_len,
                                        long_prefill_token_threshold=rc.long_prefill_token_threshold,
-                                       max_num_partial_prefills=rc.max_num_partial_prefills)
+                                       max_num_partial_prefills=rc.max_num_partial_prefills,
+                                       slo_tbt_ms=rc.slo_tbt_ms, slo_ttft_ms=rc.slo_ttft_ms,
+                                       slo_margin=rc.slo_margin, slo_min_chunk=rc.slo_min_chunk)
 
     def cache_config(self, rc: RoleConfig) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks(rc), self.enable_prefix_caching)
