@@ -41,11 +41,11 @@ from phaselab.core.executor import Executor
 from phaselab.core.kv_cache_manager import cdiv
 from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
 from phaselab.core.outputs import SchedulerOutput, StepResult
+from phaselab.core.prompt import prompt_too_long
+from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.prompt import prompt_too_long
-from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.scheduler import Scheduler
 from phaselab.core.slo import IterationCostCoefficients, plan_features
 from phaselab.core.timing import IterationRecord, RequestMetrics
