@@ -85,3 +85,18 @@ def test_roofline_model_learns_online():
     # the fit approximates a model of another form: its error stays a fraction of the time
     errors = sorted(abs(r.predicted_ns - (r.end_ns - r.start_ns)) / (r.end_ns - r.start_ns) for r in recs)
     assert errors[len(errors) // 2] < 0.2
+
+
+def test_trace_shows_the_budget_over_time():
+    from phaselab.obs.trace import build_trace, validate_trace
+
+    d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=4096, slo_tbt_ms=12.0, slo_min_chunk=16))
+    result = simulate(d, _interference(), cost_model_factory=lambda *_: LinearCostModel())
+    trace = build_trace(result.requests, result.iterations)
+    assert validate_trace(trace) == []
+    budget = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == "prefill budget (tokens)"]
+    assert [e["args"]["budget"] for e in budget] == [r.prefill_budget for r in result.iterations]
+    times = [e for e in trace["traceEvents"] if e["ph"] == "C" and e["name"].startswith("iteration time vs")]
+    assert all(e["args"]["target"] == 12.0 for e in times)
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") == "iteration"]
+    assert all("prefill_budget" in e["args"] and "predicted_ms" in e["args"] for e in slices)
