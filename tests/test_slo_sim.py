@@ -100,3 +100,38 @@ def test_trace_shows_the_budget_over_time():
     assert all(e["args"]["target"] == 12.0 for e in times)
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") == "iteration"]
     assert all("prefill_budget" in e["args"] and "predicted_ms" in e["args"] for e in slices)
+
+
+class SpikyCostModel(LinearCostModel):
+    """The perfect model, except that every 37th iteration takes three times as long (another
+    process took the machine): the misses the diagnosis must attribute to the prediction."""
+
+    def predict(self, plan):  # type: ignore[no-untyped-def]
+        cost = super().predict(plan)
+        if plan.iteration_id % 37 == 0:
+            cost = IterationCost(cost.duration_ns * 3)
+        return cost
+
+
+def test_diagnose_judges_the_adaptive_policy(tmp_path):
+    from phaselab.analysis.diagnose import diagnose
+    from phaselab.analysis.doc import render_text
+
+    target = 12e-3
+    d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=4096, max_num_seqs=64,
+                                                      slo_tbt_ms=target * 1e3, slo_min_chunk=16))
+    reqs = _interference() + random_requests(40, "uniform:200:3000", "uniform:50:300", seed=5)
+    result = simulate(d, reqs, cost_model_factory=lambda *_: SpikyCostModel())
+    result.write(str(tmp_path / "run"))
+    j = diagnose(tmp_path / "run").slo
+    assert j is not None and j.target_s == pytest.approx(target)
+    decode_iters = [r for r in result.iterations if r.num_decode_tokens]
+    over = {r.iteration_id for r in decode_iters if r.duration_s > target}
+    assert j.num_decode_iterations == len(decode_iters) and j.num_held == len(decode_iters) - len(over)
+    assert {m.iteration_id for m in j.misses} == over
+    under = {m.iteration_id for m in j.misses if m.cause == "under-predicted"}
+    assert under and all(i % 37 == 0 for i in under)  # exactly the injected slow iterations
+    infeasible = {r.iteration_id for r in decode_iters if r.slo_feasible is False and r.duration_s > target}
+    assert {m.iteration_id for m in j.misses if m.cause == "infeasible"} == infeasible
+    text = render_text(diagnose(tmp_path / "run").to_doc())
+    assert "The TBT target (adaptive budget)" in text and "under-predicted" in text
