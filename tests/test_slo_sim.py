@@ -135,3 +135,18 @@ def test_diagnose_judges_the_adaptive_policy(tmp_path):
     assert {m.iteration_id for m in j.misses if m.cause == "infeasible"} == infeasible
     text = render_text(diagnose(tmp_path / "run").to_doc())
     assert "The TBT target (adaptive budget)" in text and "under-predicted" in text
+
+
+def test_timeline_carries_the_budget_and_the_target(tmp_path):
+    from phaselab.analysis.timeline import load_timeline, render_png, render_timeline_page
+
+    d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=4096, slo_tbt_ms=12.0, slo_min_chunk=16))
+    simulate(d, _interference(), cost_model_factory=lambda *_: SpikyCostModel()).write(str(tmp_path / "run"))
+    t = load_timeline(tmp_path / "run")
+    assert t["slo_tbt_s"] == 0.012 and t["max_budget"] == 4096
+    assert "adaptive budget, TBT target 12 ms" in t["title"]
+    iters = t["workers"][0]["iters"]
+    assert all(it[6] is not None and it[7] is not None for it in iters)
+    assert any(it[3] and it[1] - it[0] > 0.012 for it in iters)  # the injected slow iterations, outlined
+    assert render_png([t], tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    assert '"slo_tbt_s":0.012' in render_timeline_page([t]).replace(' ', '')
