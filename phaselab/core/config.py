@@ -48,8 +48,8 @@ class SchedulerConfig:
         "help": "time-between-tokens target (ms; 0 = off): with policy 'chunked' each iteration's prefill "
                 "budget is the largest whose predicted time, given its decodes, stays under it (docs/slo.md)"})
     slo_ttft_ms: float = field(default=0.0, metadata={
-        "help": "time-to-first-token target (ms; 0 = off): orders admissions (earliest deadline that can "
-                "still be met first) and is reported as attainment"})
+        "help": "time-to-first-token target (ms; 0 = off): reported as attainment (diagnose); with one target "
+                "for every request, earliest-deadline-first admission is the FCFS order kept"})
     slo_margin: float = field(default=0.1, metadata={
         "help": "fraction of --slo-tbt-ms kept free for prediction error: the budget aims at T x (1 - margin)"})
     slo_min_chunk: int = field(default=32, metadata={
