@@ -162,8 +162,8 @@ class Deployment:
         hw = self.hardware.name
         if self.mode == "colocated":
             rc = self.colocated
-            return f"{self.num_replicas} x colocated ({rc.policy}, TP{rc.tp}) on {hw}: {self.num_gpus} GPUs"
-        return (f"disagg {self.num_prefill}P (TP{self.prefill.tp}, {self.prefill.policy}) : {self.num_decode}D "
+            return f"{self.num_replicas} x colocated ({_policy_text(rc)}, TP{rc.tp}) on {hw}: {self.num_gpus} GPUs"
+        return (f"disagg {self.num_prefill}P (TP{self.prefill.tp}, {_policy_text(self.prefill)}) : {self.num_decode}D "
                 f"(TP{self.decode.tp}) on {hw}, KV over {self.transfer_link_spec().name} ({self.transfer_mode}): "
                 f"{self.num_gpus} GPUs")
 
@@ -178,3 +178,16 @@ class Deployment:
         d["num_blocks"] = {role: self.num_blocks(rc) for role, _, rc in self.roles()}
         d["describe"] = self.describe()
         return d
+
+
+def _policy_text(rc: RoleConfig) -> str:
+    """The scheduling of one pool in words: policy, budget (fixed or adaptive), seats when not the default."""
+    if rc.slo_tbt_ms > 0:
+        text = f"adaptive budget <= {rc.max_num_batched_tokens or 2048} for TBT {rc.slo_tbt_ms:g} ms"
+    elif rc.policy == "chunked" and rc.max_num_batched_tokens:
+        text = f"chunked {rc.max_num_batched_tokens}"
+    else:
+        text = rc.policy
+    if rc.max_num_seqs != RoleConfig.max_num_seqs:
+        text += f", max_num_seqs {rc.max_num_seqs}"
+    return text
