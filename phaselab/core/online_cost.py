@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
@@ -166,7 +167,7 @@ class OnlineCostFitter:
     def _gradient(H: list[list[float]], b: list[float], theta: list[float], i: int) -> float:
         return sum(H[i][j] * theta[j] for j in range(N)) - b[i]
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"coefficients": self.coefficients.to_json(), "num_updates": self.num_updates,
                 "last_error_s": self.last_error_s, "forgetting": self.config.forgetting}
 
@@ -193,7 +194,7 @@ class BudgetLearner:
         self.fitter.update(features, measured_s)
         return predicted
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {**self.fitter.to_json(), "seed_source": self.seed_source}
 
 

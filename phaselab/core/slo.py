@@ -29,8 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 from phaselab.errors import ConfigError
+
+if TYPE_CHECKING:  # outputs imports this module (SchedulerOutput carries a BudgetDecision)
+    from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 
 COEFFICIENT_NAMES = ("overhead_s", "prefill_token_s", "prefill_context_s", "decode_seq_s", "decode_context_s")
 
@@ -68,7 +72,7 @@ class IterationCostCoefficients:
         return {n: getattr(self, n) for n in COEFFICIENT_NAMES}
 
     @classmethod
-    def from_json(cls, d: dict) -> IterationCostCoefficients:
+    def from_json(cls, d: dict[str, Any]) -> IterationCostCoefficients:
         unknown = set(d) - set(COEFFICIENT_NAMES)
         if unknown:
             raise ConfigError(f"unknown cost coefficient(s) {sorted(unknown)}; known: {list(COEFFICIENT_NAMES)}")
@@ -96,7 +100,7 @@ def iteration_features(prefill_chunks: Iterable[tuple[int, int]], decode_context
     return (1.0, float(p_tokens), float(p_keys), float(len(contexts)), float(sum(contexts)))
 
 
-def plan_features(scheduled: Iterable) -> tuple[float, float, float, float, float]:
+def plan_features(scheduled: Iterable[ScheduledRequest]) -> tuple[float, float, float, float, float]:
     """iteration_features of a SchedulerOutput's entries (core.outputs.ScheduledRequest)."""
     chunks, decodes = [], []
     for s in scheduled:
@@ -118,7 +122,7 @@ class BudgetDecision:
     feasible: bool  # False: even min_chunk (or the decodes alone) is predicted over the limit
     reason: str  # "no-decode" | "no-prefill" | "all-prefill-fits" | "target" | "infeasible"
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"prefill_budget": self.prefill_budget, "target_s": self.target_s, "limit_s": self.limit_s,
                 "predicted_s": self.predicted_s, "feasible": self.feasible, "reason": self.reason}
 
@@ -207,7 +211,7 @@ def largest_chunk_within(coeffs: IterationCostCoefficients, start: int, max_toke
     return good
 
 
-def budget_fields(plan, predicted_s: float | None) -> dict:
+def budget_fields(plan: SchedulerOutput, predicted_s: float | None) -> dict[str, Any]:
     """The IterationRecord fields of the adaptive budget for one executed plan (empty when the
     budget is fixed): one place for the engine, the simulator and the router to stamp them."""
     d = plan.budget
