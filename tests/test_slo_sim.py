@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from phaselab.bench.workloads import InterferenceParams
+from phaselab.workload.interference import InterferenceParams
 from phaselab.core.slo import IterationCostCoefficients, plan_features
 from phaselab.sim.catalog import get_hardware, get_model
 from phaselab.sim.cost import IterationCost
