@@ -3,7 +3,7 @@
     python benchmarks/slo_serving.py                 # interference + Poisson mix, every configuration
     python benchmarks/slo_serving.py --quick         # smaller workloads (a smoke run)
 
-Workloads (the offline engine driven with arrival timing, phaselab.analysis.compare.drive):
+Workloads (the offline engine driven with arrival timing, phaselab.workload.driver.run_arrivals):
   interference  compare's: streams decode, long prompts arrive at token-time points of the streams
   poisson       a mix: Poisson arrivals (--rate req/s), 70% short prompts (32-128 tokens), 30% long
                 (512-1024), 32-96 output tokens, EOS ignored
@@ -38,7 +38,8 @@ import numpy as np  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from phaselab.analysis.compare import Arrival, InterferenceSpec, drive, interference_arrivals, random_prompt  # noqa: E402
+from phaselab.workload.driver import Arrival, interference_arrivals, random_prompt, run_arrivals  # noqa: E402
+from phaselab.workload.interference import InterferenceParams  # noqa: E402
 
 
 def poisson_arrivals(n: int, rate: float, seed: int = 7) -> list[Arrival]:
@@ -60,7 +61,7 @@ def pct(values: list[float], p: float) -> float | None:
 def measure(engine: Any, arrivals: list[Arrival], targets: list[float], ttft_slo_s: float) -> dict[str, Any]:
     n_req, n_it = len(engine.finished_requests), len(engine.iterations)
     t0 = time.monotonic()
-    drive(engine, arrivals)
+    run_arrivals(engine, arrivals)
     wall = time.monotonic() - t0
     reqs = engine.finished_requests[n_req:]
     iters = engine.iterations[n_it:]
@@ -134,9 +135,9 @@ def main() -> int:
     from phaselab.serving_engine import make_engine
 
     budgets = [int(b) for b in (ns.budgets or ("64,256,1024" if ns.quick else "64,128,256,512,1024")).split(",")]
-    inter = (InterferenceSpec(num_streams=3, stream_input_len=48, stream_output_len=48, num_long_prompts=2,
-                              long_input_len=768, long_output_len=4, first_at=4, every=16) if ns.quick
-             else InterferenceSpec())
+    inter = (InterferenceParams.in_tokens(4, 16, num_streams=3, stream_input_len=48, stream_output_len=48,
+                                          num_long_prompts=2, long_input_len=768, long_output_len=4) if ns.quick
+             else InterferenceParams.in_tokens(8, 24, stream_output_len=96))  # compare's interference
     mix = poisson_arrivals(12 if ns.quick else 40, ns.rate or 1.0)
     workloads = {"interference": interference_arrivals(inter), "poisson": mix}
     dtype = resolve_dtype(ns.dtype)
@@ -153,7 +154,7 @@ def main() -> int:
     else:  # the decode step of the interference streams, alone
         e = engine(policy="chunked", max_num_batched_tokens=64)
         streams = [a for a in interference_arrivals(inter) if a.group == "stream"]
-        drive(e, streams)
+        run_arrivals(e, streams)
         step = float(np.median([r.duration_s for r in e.iterations if r.num_decode_tokens and not r.num_prefill_tokens]))
         targets = [round(2 * step, 3), round(4 * step, 3)]
         print(f"decode step of {len(streams)} streams: {step * 1e3:.1f} ms -> targets "
