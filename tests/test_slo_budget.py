@@ -70,15 +70,15 @@ def test_budget_bounds_and_optimality(coeffs, decodes, segments, target_ms, marg
     time = reference_time(coeffs, greedy(segments, d.prefill_budget), decodes)
     assert d.predicted_s == pytest.approx(time, rel=1e-9, abs=1e-15)
     lo = min(min_chunk, room)
-    feasible = reference_time(coeffs, greedy(segments, lo), decodes) <= limit * (1 + 1e-12)
-    assert d.feasible == feasible or abs(reference_time(coeffs, greedy(segments, lo), decodes) - limit) < 1e-12
+    feasible = reference_time(coeffs, greedy(segments, lo), decodes) <= limit * (1 + 1e-9)
+    # (the reference sums token by token: its rounding differs from the closed form by ~1e-12 relative)
+    assert d.feasible == feasible or abs(reference_time(coeffs, greedy(segments, lo), decodes) - limit) <= 1e-9 * limit
     if d.feasible:
-        assert time <= limit * (1 + 1e-12)
-        # the largest such budget: every larger one that places more tokens misses the limit
-        best = max(b for b in range(lo, room + 1)
-                   if reference_time(coeffs, greedy(segments, b), decodes) <= limit * (1 + 1e-12))
+        assert time <= limit * (1 + 1e-9)
+        # the largest such budget: one more token placed (if any is left to place) misses the limit
         placed = sum(n for n, _ in greedy(segments, d.prefill_budget))
-        assert placed == sum(n for n, _ in greedy(segments, best))
+        if placed < min(pending, room):
+            assert reference_time(coeffs, greedy(segments, placed + 1), decodes) >= limit * (1 - 1e-9)
     else:
         assert d.prefill_budget == lo and d.reason == "infeasible"
 
