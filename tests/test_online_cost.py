@@ -52,7 +52,7 @@ def test_follows_a_drift():
                                                                                 rel=0.05)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(times=st.lists(st.floats(0, 5), min_size=1, max_size=60), seed=st.integers(0, 10**6))
 def test_coefficients_stay_within_bounds_whatever_is_measured(times, seed):
     rng = random.Random(seed)

@@ -23,6 +23,7 @@ Pure: no clock, no random, no torch; the engine (or the simulator) passes the nu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,8 +122,8 @@ class OnlineCostFitter:
             free = [i for i in range(N) if i not in bound]
             rhs = [b[i] - sum(H[i][j] * theta[j] for j in bound) for i in free]
             sol = _solve_linear([[H[i][j] for j in free] for i in free], rhs)
-            if sol is None:
-                break
+            if sol is None or not all(math.isfinite(v) for v in sol):
+                break  # (near-)singular: coordinate descent below, which only ever divides by H[i][i] > 0
             outside = [(max(lo[i] - v, v - hi[i]), i, v) for i, v in zip(free, sol) if not lo[i] <= v <= hi[i]]
             if outside:
                 # step from theta toward the solution until the first free coefficient hits its bound
