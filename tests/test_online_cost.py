@@ -84,3 +84,26 @@ def test_learner_reports_its_prediction_before_learning():
     predicted = learner.observe(plan, 1.0)
     assert predicted == pytest.approx(TRUE.predict([(100, 0)], [50, 60]))
     assert learner.predict(plan) > predicted  # it learned that the plan takes longer
+
+
+def test_the_warm_up_anchor_keeps_what_serving_stops_measuring():
+    """After a warm-up with large chunks, serving (a held budget) only runs small chunks beside
+    decodes, with noise. Anchored, the fit still prices a large chunk; without the anchor the
+    forgotten large-chunk information leaves that prediction to the noise of small-chunk data."""
+    rng = random.Random(3)
+    warm = [([(n, s)], []) for n, s in ((64, 0), (256, 0), (512, 0), (128, 512), (256, 1024))] + \
+        [([], [c] * k) for k, c in ((1, 128), (8, 256), (32, 512), (8, 1024))] + [([(128, 256)], [256] * 8)]
+    errors = {}
+    for anchored in (True, False):
+        fitter = OnlineCostFitter(IterationCostCoefficients())
+        for chunks, decodes in warm:
+            fitter.update(iteration_features(chunks, decodes), TRUE.predict(chunks, decodes))
+        if anchored:
+            fitter.anchor()
+        for _ in range(600):  # small chunks at one prefix length, noisy
+            chunks, decodes = [(rng.randint(30, 40), 900)], [rng.randint(500, 1500) for _ in range(12)]
+            fitter.update(iteration_features(chunks, decodes), TRUE.predict(chunks, decodes) * rng.uniform(0.7, 1.3))
+        big = ([(512, 0)], [])
+        errors[anchored] = abs(fitter.predict(iteration_features(*big)) / TRUE.predict(*big) - 1)
+    assert errors[True] < 0.1
+    assert errors[True] < errors[False]

@@ -9,7 +9,10 @@
                  over lower <= theta <= upper, lower >= 0   (bounded least squares, by coordinate descent
                                                              warm-started from the previous theta)
 
-The prior term keeps a coefficient whose regressor never varied (no decodes in a warm-up, say)
+After the warm-up, a quarter of its information is kept without decay (`anchor`): a budget held
+small by the target stops producing the large chunks that measure a chunk's cost, and without the
+anchor that direction of the fit would be left to noise. The prior term keeps a coefficient whose
+regressor never varied (no decodes in a warm-up, say)
 at its seed instead of letting it drift; std_i is prior_relative_std x the seed, or prior_floor_s
 for an unseeded (zero) coefficient, which data then move freely. `lower` may carry a physical
 floor (FLOPs over peak: no efficiency above 1). Solving the bounded problem each time, instead of
@@ -74,6 +77,10 @@ class OnlineCostFitter:
         self._prior_precision = [1.0 / (v * v) for v in std]
         self.R = [[0.0] * N for _ in range(N)]  # decayed sum of x x' (scaled features)
         self.r = [0.0] * N  # decayed sum of x y
+        # the warm-up's information, kept without decay (anchor()): the directions that serving stops
+        # exciting (large chunks while the budget is held small) keep what the warm-up measured
+        self.R_anchor = [[0.0] * N for _ in range(N)]
+        self.r_anchor = [0.0] * N
         self.num_updates = 0
         self.last_error_s = 0.0  # measured - predicted of the last update (before it)
 
@@ -103,13 +110,21 @@ class OnlineCostFitter:
         self._solve()
         self.num_updates += 1
 
+    def anchor(self, weight: float = 0.25) -> None:
+        """Keep `weight` x what has been learned so far (the warm-up) forever: forgetting then only
+        fades what later iterations taught. Without it, a budget held small stops producing the
+        large chunks that measure a chunk's cost, their information fades, and the fit of those
+        directions is left to noise (the policy cannot learn what it no longer tries)."""
+        self.R_anchor = [[weight * v for v in row] for row in self.R]
+        self.r_anchor = [weight * v for v in self.r]
+
     def _solve(self) -> None:
         """The bounded quadratic by active sets: solve for the free coefficients with the others at
         their bounds; clamp a free one that leaves its box, release a bound one whose gradient
         points inside; a handful of 5x5 solves. Coordinate descent finishes it if that cycles."""
         w = 1.0 / self.config.noise_s ** 2
-        H = [[w * v for v in row] for row in self.R]
-        b = [w * v for v in self.r]
+        H = [[w * (v + a) for v, a in zip(row, arow)] for row, arow in zip(self.R, self.R_anchor)]
+        b = [w * (v + a) for v, a in zip(self.r, self.r_anchor)]
         for i in range(N):
             H[i][i] += self._prior_precision[i]
             b[i] += self._prior_precision[i] * self.theta0[i]

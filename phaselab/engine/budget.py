@@ -77,4 +77,5 @@ def warm_up(engine: LLMEngine, learner: BudgetLearner) -> None:
                     learner.fitter.update(plan_features(plan.scheduled), seconds)
     finally:
         pool.free(blocks)
+    learner.fitter.anchor()
     logger.info("adaptive budget: warm-up of %d shapes took %.1fs", 2 * len(shapes), time.monotonic() - t0)

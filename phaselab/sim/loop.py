@@ -78,6 +78,7 @@ def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearne
                                                          sc.max_model_len, cc.num_blocks * cc.block_size)):
         plan = shape_plan(-1 - i, chunks, decodes, blocks, cc.block_size)
         learner.fitter.update(plan_features(plan.scheduled), cost_model.predict(plan).duration_ns / NS)
+    learner.fitter.anchor()
     scheduler.set_cost_coefficients(learner.coefficients)
     return learner
 
