@@ -140,8 +140,8 @@ def main() -> int:
              else InterferenceParams.in_tokens(8, 24, stream_output_len=96))  # compare's interference
     mix = poisson_arrivals(12 if ns.quick else 40, ns.rate or 1.0)
     workloads = {"interference": interference_arrivals(inter), "poisson": mix}
-    dtype = resolve_dtype(ns.dtype)
-    print(f"loading the bundled model ({dtype})", file=sys.stderr)
+    dtype, dtype_why = resolve_dtype(ns.dtype)
+    print(f"loading the bundled model ({dtype}: {dtype_why})", file=sys.stderr)
     ckpt = load_checkpoint(None, dtype)
 
     def engine(**kw: Any) -> Any:
