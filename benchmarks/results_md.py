@@ -3,7 +3,7 @@
     python benchmarks/results_md.py [--results benchmarks/results] [--out benchmarks/RESULTS.md]
 
 Reads roofline.json, engine.json (benchmarks/engine.py), serve_vs_peers.md (rendered by
-benchmarks/serve_vs_peers.py from its JSON), sim_fidelity.json and sim_validation.json; a missing file leaves its
+benchmarks/serve_vs_peers.py from its JSON), sim_fidelity.json, sim_validation.json and slo_serving.json; a missing file leaves its
 section saying which command makes it.
 """
 
@@ -294,6 +294,44 @@ def soak_section(soak: dict | None) -> list[str]:
     return lines + [""]
 
 
+def slo_section(r: dict | None) -> list[str]:
+    """The adaptive budget against fixed budgets (benchmarks/slo_serving.py, issue 17)."""
+    if r is None:
+        return ["## SLO-aware serving", "", "Run `python benchmarks/slo_serving.py`.", ""]
+    keys = [f"{t * 1e3:g}" for t in r["targets_s"]]
+    m = r["machine"]
+    step = f"{r['decode_step_s'] * 1e3:.0f} ms" if r.get("decode_step_s") else "given"
+    out = ["## SLO-aware serving (`benchmarks/slo_serving.py`, issue 17)", "",
+           f"{m.get('cpu', m['processor'])}, {m['cores']} cores, {m['dtype']}, load average at start "
+           f"{m['loadavg_at_start'][0]:.1f}. TBT targets {', '.join(k + ' ms' for k in keys)} (2x and 4x the "
+           f"decode step of the interference streams alone: {step}). Goodput: requests/s with TTFT <= "
+           f"{r['ttft_slo_s']:g} s and TPOT <= the target. 'held': ITL p99 <= 1.15 x the target.", ""]
+    for w, results in r["workloads"].items():
+        out += [f"### {w}", "",
+                "| config | ITL p50 | ITL p99 | TTFT p50 | TTFT p99 | "
+                + " | ".join(f"TBT attainment @{k} ms" for k in keys) + " | "
+                + " | ".join(f"goodput @{k} ms" for k in keys) + " | adaptive: budget p50, infeasible, pred. error p50 |",
+                "|---|" + "---:|" * (4 + 2 * len(keys)) + "---|"]
+        for name, v in results.items():
+            a = v.get("adaptive")
+            extra = (f"{a['budget_p50']:.0f}, {a['num_infeasible']}, {a['prediction_error_p50'] * 100:.0f}%"
+                     if a else "")
+            out.append(f"| {name} | {v['itl_p50_s'] * 1e3:.0f} ms | {v['itl_p99_s'] * 1e3:.0f} ms | "
+                       f"{v['ttft_p50_s']:.2f} s | {v['ttft_p99_s']:.2f} s | "
+                       + " | ".join(f"{v['at'][k]['tbt_attainment'] * 100:.1f}%"
+                                    + (" held" if v["at"][k]["holds"] else "") for k in keys) + " | "
+                       + " | ".join(f"{v['at'][k]['goodput_rps']:.3f}/s" for k in keys) + f" | {extra} |")
+        for c in r["acceptance"].get(w, []):
+            verdict = ("no fixed budget holds it here: nothing to match" if c["passed"] is None
+                       else f"adaptive TTFT p50 / best holding fixed ({c['best_fixed']}) = {c['ttft_ratio']:.2f}; "
+                            f"{'PASS' if c['passed'] else 'MISS'}")
+            out.append(f"\nTarget {c['target_ms']:g} ms: fixed budgets that hold it: "
+                       f"{', '.join(c['fixed_that_hold']) or 'none'}; adaptive holds it: {c['adaptive_holds']}; "
+                       f"{verdict}.")
+        out.append("")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -321,6 +359,7 @@ def main() -> None:
     lines += linear_section(load(os.path.join(ns.results, "linear.json")), load(os.path.join(ns.results, "step_profile.json")))
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
+    lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")

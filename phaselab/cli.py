@@ -131,11 +131,13 @@ def build_parser() -> argparse.ArgumentParser:
     from phaselab.bench.cli import add_bench_parser
     from phaselab.experiments.cli import add_compare_parser
     from phaselab.sim.cli import add_simulate_parser
+    from phaselab.sim.plan import add_plan_parser
 
     add_bench_parser(sub)
     add_analysis_parsers(sub)
     add_compare_parser(sub)
     add_simulate_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
@@ -261,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
             from phaselab.sim.cli import run_simulate
 
             return run_simulate(ns)
+        if ns.command == "plan":
+            from phaselab.sim.plan import run_plan
+
+            return run_plan(ns)
     except PhaselabError as e:
         print(f"phaselab: error: {e}", file=sys.stderr)
         return 2

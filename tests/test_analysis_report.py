@@ -25,7 +25,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 ARTIFACTS = Path(__file__).parent / "artifacts"
-CONFIG_DIRS = ("prefill-first", "chunked-384", "chunked-96")  # --quick: budgets L/2 and L/8 of 768-token prompts
+# --quick: budgets L/2 and L/8 of 768-token prompts, and the adaptive budget at its default target
+CONFIG_DIRS = ("prefill-first", "chunked-384", "chunked-96", "adaptive-200ms")
 RUN_FILES = ("config.json", "requests.jsonl", "iterations.jsonl", "trace.json",
              "diagnosis.md", "diagnosis.html", "diagnosis.json")
 

@@ -38,7 +38,11 @@ def test_compare_simulate_puts_the_deployments_side_by_side(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["plan"]["simulation"]["hardware"] == "h100"
     names = [c["name"] for c in summary["configs"]]
-    assert names == ["prefill-first", "chunked-1024", "disagg-1p1d"]
+    assert names == ["prefill-first", "chunked-1024", "adaptive-50ms", "disagg-1p1d"]
+    adaptive = read_run_dir(out / "interference-adaptive-50ms")  # the adaptive column: budget over time, target
+    assert adaptive.config["scheduler"]["slo_tbt_ms"] == 50.0
+    assert all(r.prefill_budget is not None and r.slo_tbt_s == 0.05 for r in adaptive.iterations)
+    assert "chunked, adaptive budget, TBT target 50 ms, 2 x TP4" in text
     for c in summary["configs"]:
         assert set(c["workloads"]) == {"load", "interference", "sweep"}
         for w in c["workloads"].values():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from phaselab.core.timing import RequestMetrics
@@ -52,8 +54,8 @@ def test_candidates_fit_in_memory_and_in_the_gpu_budget():
 def test_search_ranks_by_rate_per_gpu_and_names_its_definition():
     model, hw = get_model("llama-3-8b"), get_hardware("h100")
     deps = candidates(model, hw, max_gpus=2, tps=(1,), budgets=(2048,), policies=("chunked",), max_pool=1)
-    assert [d.describe().split(":")[0] for d in deps] == ["1 x colocated (chunked, TP1) on h100",
-                                                          "disagg 1P (TP1, chunked) "]
+    assert [d.describe().split(":")[0] for d in deps] == ["1 x colocated (chunked 2048, TP1) on h100",
+                                                          "disagg 1P (TP1, chunked 2048) "]
     slo = SLO("goodput", ttft_s=0.25, tpot_s=0.03, attainment=0.9)
     result = search(deps, random_workload_at(80, "uniform:256:1024", "uniform:16:64", seed=0), slo,
                     start_rate_per_gpu=4.0, num_bisections=3)
@@ -109,3 +111,24 @@ def test_search_takes_another_cost_model():
     rate_fast = search(deps, workload, between, num_bisections=2).candidates[0].rate
     rate_slow = search(deps, workload, between, num_bisections=2, cost_model=slower).candidates[0].rate
     assert rate_slow < rate_fast
+
+
+def test_plan_searches_the_adaptive_budget_and_seats(tmp_path, capsys):
+    """`phaselab plan` (issue 17 item 3): the adaptive candidate at the TBT target and each seat
+    count are in the search, ranked by goodput per GPU; --verify is refused, not faked."""
+    from phaselab.cli import main
+
+    out = tmp_path / "plan.json"
+    rc = main(["plan", "--slo-ttft-ms", "500", "--slo-tbt-ms", "50", "--model", "llama-3-8b", "--hardware", "h100",
+               "--max-gpus", "1", "--tps", "1", "--modes", "colocated", "--budgets", "512", "--max-num-seqs", "32,128",
+               "--num-prompts", "30", "--bisections", "2", "--result-json", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "goodput (DistServe's definition)" in text and "adaptive budget <= 512 for TBT 50 ms" in text
+    data = json.loads(out.read_text())
+    described = [c["deployment"] for c in data["candidates"]]
+    assert len(described) == 6 and len(set(described)) == 6  # 3 schedulings x 2 seat counts, all named apart
+    rates = [c["rate_per_gpu"] for c in data["candidates"]]
+    assert rates == sorted(rates, reverse=True)
+    assert main(["plan", "--slo-ttft-ms", "500", "--slo-tbt-ms", "50", "--verify"]) == 2
+    assert "--verify" in capsys.readouterr().err

@@ -52,6 +52,7 @@ from phaselab.analysis.measures import (
     summarize,
     ttft_breakdown,
 )
+from phaselab.analysis.slo import SloJudgement, judge_slo
 from phaselab.obs.rundir import RunData, read_run_dir
 
 
@@ -73,6 +74,7 @@ class Diagnosis:
     ceilings: Ceilings
     notes: list[str] = field(default_factory=list)
     external: dict[str, Any] | None = None  # client run: what the server's /metrics said
+    slo: SloJudgement | None = None  # the adaptive budget's TBT target (analysis/slo.py)
 
     @property
     def top(self) -> Finding | None:
@@ -102,6 +104,7 @@ class Diagnosis:
                 "at": {str(p): {"request_id": rid, "ttft_s": t, "parts_s": parts,
                                 "shares": self.ttft.shares_at(p)} for p, (rid, t, parts) in self.ttft.at.items()}},
             "ceilings": asdict(self.ceilings), "notes": self.notes, "external": self.external,
+            "slo": self.slo.to_json() if self.slo is not None else None,
         }
 
 
@@ -142,6 +145,7 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
     diag.notes.append("figures labelled MODELED come from the model config and the plans (docs/metrics.md), "
                       "not from a measurement")
     diag.findings = rank_findings(diag)
+    diag.slo = judge_slo(run.requests, run.iterations, run.config)
     if predict:
         from phaselab.analysis.advice import attach
 

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from phaselab.analysis import fmt
 from phaselab.analysis.accounting import CAUSES
 from phaselab.analysis.doc import Bullets, Doc, Heading, Para, Table
+from phaselab.analysis.slo import slo_section
 
 if TYPE_CHECKING:
     from phaselab.analysis.diagnose import Diagnosis
@@ -67,6 +68,7 @@ def diagnosis_doc(d: Diagnosis) -> Doc:
     _decode_section(d, doc)
     _stall_section(d, doc)
     _disagg_section(d, doc)
+    slo_section(d.slo, doc)
     if d.external:
         _external_section(d, doc)
     doc.add(Heading("Where the time went", anchor="time"))

@@ -4,6 +4,8 @@
     engine-0   ▮▮▮▮▮▮▮▮▮██▮▮▮▮▮▮▮▮▮▮▮▮██▮▮▮▮        iterations coloured by prefill/decode token mix
     stream-0   ░▮|||||||||||||||||||||||||||||      queue ░, prefill chunks ▮, decode tokens |
     long-0                 ░░▮▮▮▮▮▮▮||              stalls marked in red on the stalled stream
+    adaptive budget (--slo-tbt-ms): a black step line in the worker's lane is the prefill budget
+    (lane height = max_num_batched_tokens); a decode iteration over the TBT target is outlined red
     run "disaggregated 1P1D"
     prefill-0  ...   decode-0  ...                 transfer ▬ between the prefill chunk and decode
 
@@ -48,7 +50,8 @@ def build_timeline(run: RunData, title: str) -> dict[str, Any]:
     for r in sorted(run.iterations, key=lambda r: (role_order.get(r.role, 3), r.worker, r.start_ns)):
         w = workers.setdefault(r.worker, {"name": r.worker, "role": r.role, "iters": []})
         w["iters"].append([_rel(r.start_ns, t0), _rel(r.end_ns, t0), r.num_prefill_tokens, r.num_decode_tokens,
-                           r.iteration_id, len(r.chunks)])
+                           r.iteration_id, len(r.chunks), r.prefill_budget,
+                           None if r.predicted_ns is None else round(r.predicted_ns / 1e9, 9)])
     account = account_run(run.requests, run.iterations, run.config)
     gaps: dict[str, list[list[Any]]] = {}
     for g in account.gaps:
@@ -86,6 +89,9 @@ def build_timeline(run: RunData, title: str) -> dict[str, Any]:
         "workers": list(workers.values()), "requests": reqs,
         "omitted_requests": max(0, len(ordered) - MAX_REQUEST_LANES),
         "stall_factor": STALL_FACTOR,
+        # the adaptive budget (docs/slo.md): its target and the budget's full scale
+        "slo_tbt_s": next((r.slo_tbt_s for r in run.iterations if r.slo_tbt_s is not None), None),
+        "max_budget": (run.config.get("scheduler") or {}).get("max_num_batched_tokens"),
     }
 
 
@@ -98,9 +104,30 @@ def _default_title(run: RunData, path: str) -> str:
     sched = run.config.get("scheduler") or {}
     if run.config.get("mode") == "disagg":
         return f"{Path(path).name} (disaggregated)"
+    if sched and (sched.get("slo_tbt_ms") or 0) > 0:
+        return f"{Path(path).name} (chunked, adaptive budget, TBT target {sched['slo_tbt_ms']:g} ms)"
     if sched:
         return f"{Path(path).name} ({sched.get('policy')}, budget {sched.get('max_num_batched_tokens')})"
     return Path(path).name
+
+
+def _draw_budget(ax: Any, t: dict[str, Any], w: dict[str, Any], row: int) -> None:
+    """The adaptive budget over time in a worker's lane, and its decode iterations over the target."""
+    target, scale = t.get("slo_tbt_s"), t.get("max_budget") or 0
+    with_budget = [it for it in w["iters"] if len(it) > 6 and it[6] is not None]
+    if not with_budget or not scale:
+        return
+    xs, ys = [], []
+    for s, e, *_rest in with_budget:
+        b = _rest[4]
+        y = row + 0.4 - 0.8 * min(b, scale) / scale
+        xs += [s, e]
+        ys += [y, y]
+    ax.plot(xs, ys, color="black", linewidth=0.6)
+    if target:
+        over = [(s, max(e - s, 1e-6)) for s, e, _p, d, *_ in w["iters"] if d and e - s > target]
+        if over:
+            ax.broken_barh(over, (row - 0.45, 0.9), facecolors="none", edgecolor=COLORS["stall"], linewidth=0.8)
 
 
 # -- PNG -------------------------------------------------------------------------------------------------------------
@@ -131,6 +158,7 @@ def render_png(timelines: list[dict[str, Any]], path: str | PathLike[str], width
             bars = [(s, max(e - s, 1e-6)) for s, e, *_ in w["iters"]]
             colors = [_mix_rgb(p, d) for _, _, p, d, *_ in w["iters"]]
             ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors, edgecolor="white", linewidth=0.2)
+            _draw_budget(ax, t, w, row)
         for r in t["requests"]:
             row = len(labels)
             labels.append(str(r["id"])[:18])
@@ -164,8 +192,12 @@ def render_png(timelines: list[dict[str, Any]], path: str | PathLike[str], width
         ax.set_yticklabels(labels, fontsize=7)
         ax.set_ylim(max(len(labels), 1) - 0.5, -0.5)
         ax.set_xlim(0, x_end * 1.01)
-        ax.set_title(t["title"] + (f"  (+{t['omitted_requests']} requests not drawn)" if t["omitted_requests"] else ""),
-                     fontsize=10, loc="left")
+        title = t["title"] + (f"  (+{t['omitted_requests']} requests not drawn)" if t["omitted_requests"] else "")
+        if t.get("slo_tbt_s"):
+            n_over = sum(1 for w in t["workers"] for s, e, _p, d, *_ in w["iters"] if d and e - s > t["slo_tbt_s"])
+            title += (f"  [black line: prefill budget / {t['max_budget']}; red outline: {n_over} decode iterations "
+                      f"over the {t['slo_tbt_s'] * 1e3:g} ms TBT target]")
+        ax.set_title(title, fontsize=10, loc="left")
         ax.grid(axis="x", linewidth=0.3, alpha=0.5)
         if t["workers"]:
             ax.axhline(len(t["workers"]) - 0.5, color="#888", linewidth=0.5)
@@ -248,7 +280,16 @@ TIMELINE_JS = r"""
               'class': 'tl-iter' }, g);
             nShapes++;
             rc.__tip = w.name + ' iteration ' + it[4] + '\n' + fmtS(it[0]) + ' -> ' + fmtS(it[1]) + ' (' + fmtS(it[1] - it[0]) + ')' +
-              '\nprefill tokens ' + it[2] + ', decode tokens ' + it[3] + ', requests ' + it[5];
+              '\nprefill tokens ' + it[2] + ', decode tokens ' + it[3] + ', requests ' + it[5] +
+              (it[6] != null ? '\nadaptive budget ' + it[6] + ' prefill tokens; predicted ' + fmtS(it[7]) +
+                ' vs target ' + fmtS(run.slo_tbt_s) : '');
+            if (run.slo_tbt_s && it[3] > 0 && it[1] - it[0] > run.slo_tbt_s) {
+              rc.setAttribute('stroke', COL.stall); rc.setAttribute('stroke-width', 1.2);
+            }
+            if (it[6] != null && run.max_budget) {
+              var by = y + 1 + (LW - 2) * (1 - Math.min(it[6], run.max_budget) / run.max_budget);
+              el('line', { x1: x, x2: Math.max(x + 0.6, x2), y1: by, y2: by, stroke: '#000', 'stroke-width': 1 }, g);
+            }
           });
           y += LW;
         });

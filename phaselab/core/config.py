@@ -44,14 +44,27 @@ class SchedulerConfig:
     max_num_partial_prefills: int = field(
         default=1, metadata={"help": "most requests left mid-prefill at the end of an iteration (chunked)"}
     )
+    slo_tbt_ms: float = field(default=0.0, metadata={
+        "help": "time-between-tokens target (ms; 0 = off): with policy 'chunked' each iteration's prefill "
+                "budget is the largest whose predicted time, given its decodes, stays under it (docs/slo.md)"})
+    slo_ttft_ms: float = field(default=0.0, metadata={
+        "help": "time-to-first-token target (ms; 0 = off): reported as attainment (diagnose); with one target "
+                "for every request, earliest-deadline-first admission is the FCFS order kept"})
+    slo_margin: float = field(default=0.1, metadata={
+        "help": "fraction of --slo-tbt-ms kept free for prediction error: the budget aims at T x (1 - margin)"})
+    slo_min_chunk: int = field(default=32, metadata={
+        "help": "smallest prefill chunk the adaptive budget chooses while prefill is waiting, even when the "
+                "target cannot be met (that iteration is then marked infeasible)"})
 
     @classmethod
     def resolve(cls, *, policy: str = "chunked", max_model_len: int = 8192, max_num_batched_tokens: int | None = None,
                 **options: Any) -> SchedulerConfig:
         """The config with the budget's default decided (the one place it is): a given budget as is;
         none (or 0) -> CHUNKED_BUDGET_DEFAULT for chunked, max_model_len for prefill-first (which
-        prefills each prompt whole). `options` are the other fields."""
+        prefills each prompt whole); slo_min_chunk capped at that budget. `options` are the other fields."""
         budget = max_num_batched_tokens or (CHUNKED_BUDGET_DEFAULT if policy == "chunked" else max_model_len)
+        if "slo_min_chunk" in options:  # the adaptive budget's floor never above its ceiling
+            options["slo_min_chunk"] = min(options["slo_min_chunk"], budget)
         return cls(policy=policy, max_num_batched_tokens=budget, max_model_len=max_model_len, **options)
 
     def __post_init__(self) -> None:
@@ -67,9 +80,27 @@ class SchedulerConfig:
             raise ConfigError("long_prefill_token_threshold must be >= 0 (0 disables it)")
         if self.max_num_partial_prefills < 1:
             raise ConfigError("max_num_partial_prefills must be >= 1")
+        if self.slo_tbt_ms < 0 or self.slo_ttft_ms < 0:
+            raise ConfigError("slo_tbt_ms and slo_ttft_ms must be >= 0 (0 turns the target off)")
+        if self.slo_tbt_ms > 0 and self.policy != "chunked":
+            raise ConfigError(
+                f"slo_tbt_ms={self.slo_tbt_ms} adapts the chunk budget, which needs policy 'chunked' "
+                f"(got {self.policy!r}); use --policy chunked or drop --slo-tbt-ms")
+        if not 0 <= self.slo_margin < 1:
+            raise ConfigError(f"slo_margin={self.slo_margin} must be in [0, 1): the fraction of the TBT target "
+                              "kept free for prediction error (e.g. 0.1)")
+        if self.slo_min_chunk < 1 or (self.adaptive and self.slo_min_chunk > self.max_num_batched_tokens):
+            raise ConfigError(
+                f"slo_min_chunk={self.slo_min_chunk} must be in [1, max_num_batched_tokens="
+                f"{self.max_num_batched_tokens}]; lower --slo-min-chunk or raise --max-num-batched-tokens")
         if self.policy == "prefill-first" and self.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"policy 'prefill-first' prefills each prompt whole, so max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                 "raise the budget, lower max_model_len, or use policy 'chunked'"
             )
+
+    @property
+    def adaptive(self) -> bool:
+        """The prefill budget follows the TBT target (core/slo.py) instead of staying fixed."""
+        return self.slo_tbt_ms > 0

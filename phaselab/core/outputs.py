@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phaselab.core.sampling_params import SamplingParams
+from phaselab.core.slo import BudgetDecision
 
 
 @dataclass
@@ -49,6 +50,7 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     num_free_blocks: int = 0
     num_used_blocks: int = 0
+    budget: BudgetDecision | None = None  # the adaptive prefill budget's decision (slo_tbt_ms), else None
 
     @property
     def is_empty(self) -> bool:

@@ -11,7 +11,8 @@ ran it. The recorder never reads a clock: every stamp is passed in by the loop (
          │                                                └─ None: await mark_delivered(id, sent)
          ├─ admit(record, request, admitted): decode admission of a request prefilled elsewhere
          └─ drop(id): forgotten without a record (a parked request whose KV left, or a resumed copy)
-    iteration(plan, ...) ─▶ IterationRecord;  add_iteration(rec): one built elsewhere (a worker's)
+    iteration(plan, ..., predicted_s) ─▶ IterationRecord (+ the adaptive budget's decision, core/slo.py)
+    add_iteration(rec): one built elsewhere (a worker's)
 
 Closing a record sets `finished_ns` (never before its last token was sent) and then applies the
 policy chosen at construction:
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from phaselab.core.outputs import RequestDelta, SchedulerOutput
+from phaselab.core.slo import budget_fields
 from phaselab.core.timing import IterationRecord, ModeledCost, RequestMetrics, ScheduledChunk
 
 
@@ -134,8 +136,8 @@ class PhaseRecorder:
 
     def iteration(self, plan: SchedulerOutput, *, start_ns: int, end_ns: int, prepare_ns: int, forward_ns: int,
                   sample_ns: int, num_running: int, num_waiting: int, modeled: ModeledCost,
-                  schedule_ns: int = 0, output_ns: int = 0, worker: str | None = None, role: str | None = None
-                  ) -> IterationRecord | None:
+                  schedule_ns: int = 0, output_ns: int = 0, worker: str | None = None, role: str | None = None,
+                  predicted_s: float | None = None) -> IterationRecord | None:
         """The IterationRecord of one non-empty iteration, observed and (keep) kept."""
         if plan.is_empty or not self.enabled:
             return None
@@ -155,7 +157,8 @@ class PhaseRecorder:
             num_prefill_tokens=num_prefill, num_decode_tokens=num_decode, chunks=chunks,
             num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
             num_running=num_running, num_waiting=num_waiting,
-            preempted_request_ids=list(plan.preempted_request_ids), modeled=modeled)
+            preempted_request_ids=list(plan.preempted_request_ids), modeled=modeled,
+            **budget_fields(plan, predicted_s))
         self.add_iteration(rec)
         return rec
 

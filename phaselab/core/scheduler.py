@@ -27,6 +27,14 @@ Policies (SchedulerConfig.policy):
   decode token. No request is ever left mid-prefill (the config guarantees
   max_num_batched_tokens >= max_model_len).
 
+Adaptive budget (SchedulerConfig.slo_tbt_ms > 0, chunked only): before serving, the iteration's
+prefill tokens are capped by core/slo.py's choose_prefill_budget, from the running decodes, the
+pending prefill segments (partial prefills in running order, then the waiting requests that have
+a seat, each from its prefix-cache hit and capped by long_prefill_token_threshold) and the cost
+coefficients the engine last fitted (`set_cost_coefficients`). The rules above are unchanged: the
+cap only lowers how many prefill tokens the budget leaves. The decision rides on the plan
+(`plan.budget`) for the iteration record.
+
 Preemption by recompute: when a running request cannot get the block its step needs, the most
 recently admitted running request is preempted (possibly itself): its blocks are freed, its
 num_computed_tokens goes back to 0 and it goes to the front of the waiting queue. On resume it
@@ -63,6 +71,7 @@ and that wait is the decode admission wait.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable
 
@@ -70,11 +79,19 @@ from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from phaselab.core.outputs import RequestDelta, ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.core.request import Request, RequestStatus
+from phaselab.core.slo import (
+    BudgetDecision,
+    IterationCostCoefficients,
+    choose_prefill_budget,
+    chunk_cost,
+    largest_chunk_within,
+)
 from phaselab.errors import InvalidRequestError
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 cost_coefficients: IterationCostCoefficients | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(
@@ -90,6 +107,16 @@ class Scheduler:
         self._finished_ids: list[str] = []  # finished since the last plan
         self._in_flight: dict[str, Request] = {}  # the last plan's requests, until update()
         self._last_plan: SchedulerOutput | None = None
+        # the adaptive budget's cost model, refitted by the caller from measured iterations; all
+        # zero (every budget fits) until the first fit
+        self.cost_coefficients = cost_coefficients or IterationCostCoefficients()
+        self._prefill_left = 0  # prefill tokens this iteration may still schedule
+        # predicted seconds of prefill this iteration may still add (adaptive, feasible), else None
+        self._time_left: float | None = None
+
+    def set_cost_coefficients(self, coefficients: IterationCostCoefficients) -> None:
+        """The adaptive budget's cost model for the next schedule() (the engine refits it)."""
+        self.cost_coefficients = coefficients
 
     # -- requests in --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -193,7 +220,19 @@ class Scheduler:
         assert not self._in_flight, "schedule() called before update() of the previous plan"
         self.iteration_id += 1
         plan = SchedulerOutput(iteration_id=self.iteration_id)
-        budget = self.scheduler_config.max_num_batched_tokens
+        budget = self._prefill_left = self.scheduler_config.max_num_batched_tokens
+        self._time_left = None
+        if self.scheduler_config.adaptive:
+            plan.budget = decision = self._choose_budget()
+            self._prefill_left = decision.prefill_budget
+            if decision.feasible and decision.reason in ("target", "all-prefill-fits"):
+                # The token budget was planned from each waiting request's prefix hit; this
+                # iteration's own allocations may evict a cached block first, so each chunk is
+                # also held to the time left, priced from its actual start.
+                c = self.cost_coefficients
+                contexts = [r.num_computed_tokens + 1 for r in self.running if not r.is_prefill]
+                self._time_left = decision.limit_s - c.overhead_s - c.decode_seq_s * len(contexts) \
+                    - c.decode_context_s * sum(contexts)
         if self.scheduler_config.policy == "prefill-first":
             self._schedule_waiting(plan, budget, whole_prompts=True)
             if not plan.scheduled:
@@ -209,6 +248,27 @@ class Scheduler:
         self._last_plan = plan
         return plan
 
+    def _choose_budget(self) -> BudgetDecision:
+        """The adaptive prefill budget of this iteration (core/slo.py), from the counters."""
+        cfg = self.scheduler_config
+        cap = cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
+        decodes: list[int] = []
+        segments: list[tuple[int, int]] = []
+        for r in self.running:
+            if r.is_prefill:
+                segments.append((r.num_computed_tokens, min(r.num_tokens_to_compute, cap)))
+            else:
+                decodes.append(r.num_computed_tokens + 1)  # its one query attends its whole context
+        pending = sum(n for _, n in segments)
+        for r in itertools.islice(self.waiting, max(0, cfg.max_num_seqs - len(self.running))):
+            if pending >= cfg.max_num_batched_tokens:
+                break
+            _, num_hit = self.kv_cache_manager.get_computed_blocks(r)
+            segments.append((num_hit, min(r.num_tokens - num_hit, cap)))
+            pending += segments[-1][1]
+        return choose_prefill_budget(self.cost_coefficients, decodes, segments, cfg.slo_tbt_ms / 1e3,
+                                     cfg.slo_margin, cfg.slo_min_chunk, cfg.max_num_batched_tokens)
+
     def _schedule_running(self, plan: SchedulerOutput, budget: int) -> int:
         """Serve running requests in admission order; decodes first by budget reservation.
         Returns the budget left."""
@@ -221,7 +281,8 @@ class Scheduler:
                 num_decodes_left -= 1
                 num_new = 1
             else:
-                num_new = self._chunk_size(request.num_tokens_to_compute, budget - num_decodes_left)
+                num_new = self._chunk_size(request.num_tokens_to_compute, budget - num_decodes_left,
+                                           request.num_computed_tokens)
                 if num_new == 0:
                     i += 1
                     continue
@@ -254,7 +315,9 @@ class Scheduler:
                     break
                 num_new = num_to_compute
             else:
-                num_new = self._chunk_size(num_to_compute, budget)
+                num_new = self._chunk_size(num_to_compute, budget, num_hit_tokens)
+                if num_new == 0:
+                    break  # the adaptive budget allows no more prefill in this iteration
             left_partial = self._leaves_partial(request, num_to_compute - num_new)
             if left_partial and num_partial >= cfg.max_num_partial_prefills:
                 break
@@ -273,10 +336,12 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _chunk_size(self, num_to_compute: int, budget: int) -> int:
-        num_new = min(num_to_compute, budget)
+    def _chunk_size(self, num_to_compute: int, budget: int, start: int) -> int:
+        num_new = min(num_to_compute, budget, self._prefill_left)
         if self.scheduler_config.long_prefill_token_threshold > 0:
             num_new = min(num_new, self.scheduler_config.long_prefill_token_threshold)
+        if self._time_left is not None and num_new > 0:
+            num_new = largest_chunk_within(self.cost_coefficients, start, num_new, self._time_left)
         return max(num_new, 0)
 
     @staticmethod
@@ -307,6 +372,10 @@ class Scheduler:
             )
         )
         request.num_computed_tokens += num_new
+        if is_prefill:
+            self._prefill_left -= num_new
+            if self._time_left is not None:
+                self._time_left -= chunk_cost(self.cost_coefficients, num_new, start)
 
     def _preempt(self, request: Request, plan: SchedulerOutput) -> None:
         # Its full computed blocks were registered by update(): they stay cached while free.
@@ -427,3 +496,5 @@ class Scheduler:
             assert len({s.request_id for s in plan.scheduled}) == len(plan.scheduled)
             if cfg.policy == "prefill-first":
                 assert not (plan.num_prefill_tokens and plan.num_decode_tokens), "mixed prefill-first plan"
+            if plan.budget is not None:
+                assert plan.num_prefill_tokens <= plan.budget.prefill_budget, "the adaptive budget was exceeded"

@@ -281,6 +281,13 @@ class IterationRecord:
     num_waiting: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     modeled: ModeledCost = field(default_factory=ModeledCost)
+    # The adaptive prefill budget (SchedulerConfig.slo_tbt_ms, docs/slo.md); None under a fixed budget.
+    # Measured time is end_ns - start_ns, the same span the TBT target bounds.
+    prefill_budget: int | None = None  # prefill tokens the policy allowed in this iteration
+    budget_reason: str | None = None  # core.slo.BudgetDecision.reason: target | all-prefill-fits | infeasible ...
+    slo_tbt_s: float | None = None  # the target it aimed at (under target x (1 - margin))
+    slo_feasible: bool | None = None  # False: even min_chunk (or the decodes alone) was predicted over it
+    predicted_ns: int | None = None  # the online cost model's time for this plan, before it learned from it
 
     @property
     def duration_s(self) -> float:

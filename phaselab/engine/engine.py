@@ -34,6 +34,7 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
 from phaselab.core.timing import IterationRecord, RequestMetrics
+from phaselab.engine.budget import start_learner
 from phaselab.engine.ceilings import cpu_identity, measure_ceilings
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
@@ -103,6 +104,8 @@ class LLMEngine:
         self.executor: Executor = ModelRunner(
             model, num_blocks, args.block_size, self.dtype, Sampler(self.eos_token_ids, seed=args.seed)
         )
+        # the adaptive budget's online cost model (engine/budget.py), None under a fixed budget
+        self.budget_learner = start_learner(self) if self.scheduler_config.adaptive else None
         self._tracked: dict[str, _Tracked] = {}
         self.last_plan: SchedulerOutput | None = None
         # -- the phase record (docs/metrics.md) --
@@ -320,8 +323,13 @@ class LLMEngine:
         t2 = time.monotonic_ns()
         deltas = self.scheduler.update(plan, result)
         outputs = self._process(plan, deltas, t0, t2)
+        t3 = time.monotonic_ns()
+        predicted = None
+        if self.budget_learner is not None and not plan.is_empty:  # learn, then plan the next with it
+            predicted = self.budget_learner.observe(plan, (t3 - t0) / 1e9)
+            self.scheduler.set_cost_coefficients(self.budget_learner.coefficients)
         if self.recording:
-            self._record_iteration(plan, result, t0, t1, t2)
+            self._record_iteration(plan, result, t0, t1, t2, t3, predicted)
         self.last_plan = plan
         return outputs
 
@@ -362,17 +370,18 @@ class LLMEngine:
         """The server wrote a finished request's last bytes at `sent_ns` (any thread may call)."""
         self.recorder.mark_delivered(request_id, sent_ns)
 
-    def _record_iteration(self, plan: SchedulerOutput, result: StepResult, t0: int, t1: int, t2: int) -> None:
-        """The iteration record (the recorder: kept and observed) with this plan's modeled cost."""
+    def _record_iteration(self, plan: SchedulerOutput, result: StepResult, t0: int, t1: int, t2: int, t3: int,
+                          predicted_s: float | None = None) -> None:
+        """The iteration record (the recorder: kept and observed) with this plan's modeled cost and,
+        under an adaptive budget, the prediction the policy planned with."""
         if plan.is_empty:
             return
         sched = self.scheduler
-        end_ns = time.monotonic_ns()
         self.recorder.iteration(
-            plan, start_ns=t0, end_ns=end_ns, schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
-            forward_ns=result.forward_ns, sample_ns=result.sample_ns, output_ns=end_ns - t2,
+            plan, start_ns=t0, end_ns=t3, schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
+            forward_ns=result.forward_ns, sample_ns=result.sample_ns, output_ns=t3 - t2,
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            modeled=modeled_cost(self.model_config, plan, self.dtype_bytes))
+            modeled=modeled_cost(self.model_config, plan, self.dtype_bytes), predicted_s=predicted_s)
 
     def _observe_iteration(self, rec: IterationRecord) -> None:
         """Prometheus of one iteration, and the prefix-cache counters since the last."""
@@ -383,6 +392,8 @@ class LLMEngine:
         self._seen_query_tokens, self._seen_hit_tokens = stats.num_query_tokens, stats.num_hit_tokens
         pool = sched.kv_cache_manager.block_pool
         self.metrics.observe_iteration(rec, rec.num_running, rec.num_waiting, pool.usage, pool.num_used_blocks)
+        if self.budget_learner is not None:
+            self.metrics.observe_budget(rec, self.budget_learner.coefficients.to_json())
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (teacher forcing), outside the loop.
@@ -439,6 +450,8 @@ class LLMEngine:
             "role": self.role,
             "engine_args": dataclasses.asdict(self.args),
             "scheduler": dataclasses.asdict(self.scheduler_config),
+            "slo": ({"tbt_s": self.scheduler_config.slo_tbt_ms / 1e3, "cost_model": self.budget_learner.to_json()}
+                    if self.budget_learner is not None else None),
             "cache": {**dataclasses.asdict(self.cache_config),
                       "kv_cache_bytes": getattr(self.executor, "kv_cache_bytes", None)},
             "versions": {"phaselab": phaselab.__version__, "torch": torch.__version__,

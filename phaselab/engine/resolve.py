@@ -67,6 +67,10 @@ def resolve(args: EngineArgs, model_config: SizedModel, dtype_bytes: int) -> Res
         max_model_len=max_model_len,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
+        slo_tbt_ms=args.slo_tbt_ms,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_margin=args.slo_margin,
+        slo_min_chunk=args.slo_min_chunk,
     )
     return ResolvedConfig(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching), scheduler,
                           block_bytes)

@@ -31,6 +31,9 @@ def add_compare_parser(subparsers: Any) -> None:
         "engines on all the GPUs, and disaggregated prefill:decode pools on the same GPUs, under one workload "
         "(plus the interference workload and a length sweep).")
     s.add_argument("--simulate", action="store_true", help="simulate instead of running the bundled model")
+    c.add_argument("--slo-tbt-ms", default=None, metavar="T[,T...]",
+                   help="TBT targets (ms) of the adaptive-budget columns, comma-separated; 'none' leaves them out "
+                        "(default: 200 on this machine's bundled model, 50 with --simulate)")
     s.add_argument("--model", default=None,
                    help="catalog model (phaselab simulate catalog) or a Hugging Face config.json / model directory "
                         "(default with --simulate: llama-3-70b)")
@@ -82,6 +85,24 @@ def _sim_spec(ns: argparse.Namespace) -> Any:
     return sim_spec(**given)
 
 
+def _targets(text: str | None) -> tuple[float, ...] | None:
+    """--slo-tbt-ms: None (the default), 'none' (no adaptive column) or targets in ms."""
+    from phaselab.errors import ConfigError
+
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        targets = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise ConfigError(f"--slo-tbt-ms {text!r}: write targets in ms separated by commas, e.g. 100,200, "
+                          "or 'none'") from None
+    if any(t <= 0 for t in targets):
+        raise ConfigError(f"--slo-tbt-ms {text!r}: every target must be > 0 ms")
+    return targets
+
+
 def run_compare_cli(ns: argparse.Namespace) -> int:
     from phaselab.experiments.compare import run_compare
     from phaselab.analysis.doc import render_text
@@ -93,7 +114,9 @@ def run_compare_cli(ns: argparse.Namespace) -> int:
         if extra:
             raise ConfigError(f"{', '.join(extra)} only apply to a simulated compare: add --simulate "
                               "(the real compare runs the bundled model on this machine)")
+    targets = _targets(ns.slo_tbt_ms)
     if ns.simulate and not ns.from_dir:
+        from phaselab.experiments.compare import DEFAULT_SIM_SLO_TBT_MS
         from phaselab.experiments.compare_sim import run_sim_compare
 
         try:
@@ -103,7 +126,8 @@ def run_compare_cli(ns: argparse.Namespace) -> int:
                 from None
         spec = _sim_spec(ns)
         out = ns.out or f"runs/compare-sim-{time.strftime('%Y%m%d-%H%M%S')}"
-        result = run_sim_compare(out, spec, budgets, disagg=not ns.no_disagg, show_progress=not ns.no_progress)
+        result = run_sim_compare(out, spec, budgets, disagg=not ns.no_disagg, show_progress=not ns.no_progress,
+                                 slo_tbt_ms=(DEFAULT_SIM_SLO_TBT_MS,) if targets is None else targets)
     elif ns.from_dir:
         from phaselab.experiments.compare import load_compare
         from phaselab.analysis.report import write_compare_outputs
@@ -112,7 +136,10 @@ def run_compare_cli(ns: argparse.Namespace) -> int:
         result.files = write_compare_outputs(result)
     else:
         out = ns.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
-        result = run_compare(out, quick=ns.quick, disagg=not ns.no_disagg, show_progress=not ns.no_progress)
+        from phaselab.experiments.compare import DEFAULT_SLO_TBT_MS
+
+        result = run_compare(out, quick=ns.quick, disagg=not ns.no_disagg, show_progress=not ns.no_progress,
+                             slo_tbt_ms=(DEFAULT_SLO_TBT_MS,) if targets is None else targets)
     sys.stdout.write(render_text(compare_doc(result)))
     print(f"\nreport: {result.files['report']}  (timelines: {result.files.get('timeline_png')}, "
           f"{result.files.get('timeline_html')})", file=sys.stderr)

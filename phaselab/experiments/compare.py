@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ class RunConfig:
     mode: str = "colocated"  # | "disagg"
     policy: str = "chunked"
     budget: int | None = None  # max_num_batched_tokens (None: the policy's default)
+    slo_tbt_ms: float | None = None  # set: the adaptive budget holding this TBT target (chunked, docs/slo.md)
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,18 @@ class Plan:
         return dict(json.loads(json.dumps(d)))
 
 
-def make_plan(quick: bool = False, disagg: bool = True) -> Plan:
+# the adaptive column's default TBT target: on this machine's bundled model (a CPU decode step of a
+# few streams takes tens of ms, a 1024-token prefill about a second), and on a simulated GPU cluster
+DEFAULT_SLO_TBT_MS = 200.0
+DEFAULT_SIM_SLO_TBT_MS = 50.0
+
+
+def adaptive_configs(targets_ms: Sequence[float], budget: int | None, where: str = "") -> list[RunConfig]:
+    return [RunConfig(f"adaptive-{t:g}ms", f"chunked, adaptive budget, TBT target {t:g} ms{where}", budget=budget,
+                      slo_tbt_ms=t) for t in targets_ms]
+
+
+def make_plan(quick: bool = False, disagg: bool = True, slo_tbt_ms: Sequence[float] = (DEFAULT_SLO_TBT_MS,)) -> Plan:
     if quick:
         # long prompts long enough that, unchunked, their prefill clearly dominates the streams'
         # time (with 512 the stall and decode-step shares came within a few points of each other)
@@ -123,6 +136,7 @@ def make_plan(quick: bool = False, disagg: bool = True) -> Plan:
     configs = [RunConfig("prefill-first", "prefill-first (unchunked)", policy="prefill-first"),
                RunConfig(f"chunked-{big}", f"chunked, budget {big}", budget=big),
                RunConfig(f"chunked-{small}", f"chunked, budget {small}", budget=small)]
+    configs += adaptive_configs(slo_tbt_ms, None)
     if disagg:
         configs.append(RunConfig("disagg-1p1d", "disaggregated 1P1D", mode="disagg", budget=big))
     return Plan(inter, lens, out_len, tuple(configs))
@@ -197,6 +211,8 @@ def _engine_args(plan: Plan, cfg: RunConfig) -> Any:
                               policy=cfg.policy)
     if cfg.policy == "chunked" and cfg.budget:
         kw["max_num_batched_tokens"] = cfg.budget
+    if cfg.slo_tbt_ms:
+        kw["slo_tbt_ms"] = cfg.slo_tbt_ms
     if cfg.mode == "disagg":
         kw.update(mode="disagg", prefill_workers=1, decode_workers=1)
     return EngineArgs(**kw)
@@ -250,7 +266,7 @@ def write_result(out: Path, plan: Plan, results: list[Any], notes: list[str], pr
 
 
 def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, show_progress: bool = True,
-                stream: Any = None) -> CompareResult:
+                stream: Any = None, slo_tbt_ms: Sequence[float] = (DEFAULT_SLO_TBT_MS,)) -> CompareResult:
     """Run every configuration and write the report. Returns what was written."""
     t_start = time.monotonic()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (docs: threads on a small machine)
@@ -268,7 +284,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, s
             print(f"phaselab compare: note: disaggregated 1P1D left out: {why}", file=stream or sys.stderr)
     else:
         notes.append("disaggregated 1P1D left out (--no-disagg)")
-    plan = make_plan(quick, use_disagg)
+    plan = make_plan(quick, use_disagg, slo_tbt_ms)
     progress.stage("loading the bundled model (once, bf16)")
     import torch
 

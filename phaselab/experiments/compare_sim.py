@@ -18,6 +18,8 @@ from typing import Any
 
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.experiments.compare import (
+    DEFAULT_SIM_SLO_TBT_MS,
+    adaptive_configs,
     CompareResult, ConfigResult, Plan, Progress, RunConfig, SimSpec, write_result,
 )
 from phaselab.workload.interference import InterferenceParams
@@ -101,12 +103,14 @@ def sim_spec(model: str, hardware: str, num_gpus: int = 8, tp: int | None = None
                    input_len, output_len, burstiness, seed, dtype, params, first_token_from, transfer_mode)
 
 
-def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: bool = True) -> Plan:
+def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: bool = True,
+                  slo_tbt_ms: Sequence[float] = (DEFAULT_SIM_SLO_TBT_MS,)) -> Plan:
     """prefill-first, chunked at each budget, and disaggregated P:D, all on spec.num_gpus devices."""
     e, tp = spec.num_engines, spec.tp
     where = f"{e} x TP{tp}"
     configs = [RunConfig("prefill-first", f"prefill-first (unchunked), {where}", policy="prefill-first")]
     configs += [RunConfig(f"chunked-{b}", f"chunked, budget {b}, {where}", budget=b) for b in budgets]
+    configs += adaptive_configs(slo_tbt_ms, max(budgets, default=None), f", {where}")
     if disagg and spec.num_prefill and spec.num_decode:
         configs.append(RunConfig(f"disagg-{spec.num_prefill}p{spec.num_decode}d",
                                  f"disaggregated {spec.num_prefill}P:{spec.num_decode}D (TP{tp}), KV over {spec.link}",
@@ -135,7 +139,8 @@ def sim_deployment(spec: SimSpec, cfg: RunConfig) -> Any:
                           prefill=RoleConfig(tp=spec.tp, policy="chunked", max_num_batched_tokens=cfg.budget),
                           decode=RoleConfig(tp=spec.tp), **common)
     return Deployment(model, hw, "colocated", num_replicas=spec.num_engines,
-                      colocated=RoleConfig(tp=spec.tp, policy=cfg.policy, max_num_batched_tokens=cfg.budget), **common)
+                      colocated=RoleConfig(tp=spec.tp, policy=cfg.policy, max_num_batched_tokens=cfg.budget,
+                                           slo_tbt_ms=cfg.slo_tbt_ms or 0.0), **common)
 
 
 def sim_workloads(plan: Plan, max_model_len: int) -> list[tuple[str, list[Any], Any, dict[str, Any]]]:
@@ -185,13 +190,14 @@ def run_sim_configuration(plan: Plan, cfg: RunConfig, out_dir: Path, progress: P
 
 
 def run_sim_compare(out_dir: str | Path, spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: bool = True,
-                    show_progress: bool = True, stream: Any = None) -> CompareResult:
+                    show_progress: bool = True, stream: Any = None,
+                    slo_tbt_ms: Sequence[float] = (DEFAULT_SIM_SLO_TBT_MS,)) -> CompareResult:
     """`compare --simulate`: every configuration simulated on `spec`'s cluster, the same report."""
     t_start = time.monotonic()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     progress = Progress(show_progress)
-    plan = make_sim_plan(spec, budgets, disagg)
+    plan = make_sim_plan(spec, budgets, disagg, slo_tbt_ms)
     notes = [f"simulated (phaselab simulate): {spec.model} on {spec.num_gpus} x {spec.hardware}; every time is the "
              "cost model's prediction (its parameters and their sources are in each run's config.json)"]
     if disagg and not spec.num_prefill:

@@ -7,6 +7,7 @@ tests) live in one process without clashing, and nothing registers globally. Con
     engine step  ──▶ observe_iteration(rec, running, waiting, kv_usage, blocks_used)
     request done ──▶ observe_finished(metrics)     (request histograms, token counters, reason)
     prefix cache ──▶ add_prefix_cache(queried, hit) (token deltas)
+    adaptive budget ─▶ observe_budget(rec, coefficients)  (--slo-tbt-ms: budget, prediction, cost model)
     /metrics     ◀── render()
 
 docs/metrics.md maps every name to the nearest vLLM metric. `enable_vllm_names(model_name)` adds,
@@ -90,6 +91,19 @@ class EngineMetrics:
         self.kv_usage = gauge("phaselab_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0-1).")
         self.kv_blocks_used = gauge("phaselab_kv_cache_blocks_used", "KV-cache blocks in use.")
         self.preemptions = counter("phaselab_num_preemptions", "Requests preempted (cumulative).")
+        # -- the adaptive budget (--slo-tbt-ms, docs/slo.md) ------------------------------------------
+        self.slo_budget = gauge("phaselab_slo_prefill_budget_tokens",
+                                "Prefill tokens the adaptive budget allowed in the last iteration.")
+        self.slo_target = gauge("phaselab_slo_tbt_target_seconds", "The time-between-tokens target.")
+        self.slo_predicted = gauge("phaselab_slo_predicted_iteration_seconds",
+                                   "The online cost model's prediction of the last iteration (before it learned from it).")
+        self.slo_missed = counter("phaselab_slo_tbt_missed_iterations",
+                                  "Iterations carrying decodes that took longer than the TBT target.")
+        self.slo_infeasible = counter("phaselab_slo_infeasible_iterations",
+                                      "Iterations where even min_chunk was predicted over the target.")
+        self._cost_coefficient = Gauge(
+            "phaselab_slo_cost_coefficient", "The adaptive budget's cost model, seconds per unit of `term`.",
+            [*names, "term"], registry=self.registry)
         # -- tokens and outcomes ---------------------------------------------------------------------
         self.prompt_tokens = counter("phaselab_prompt_tokens", "Prompt tokens of finished requests (cached included).")
         self.generation_tokens = counter("phaselab_generation_tokens", "Output tokens sampled by finished requests.")
@@ -125,6 +139,21 @@ class EngineMetrics:
         if self.vllm is not None:
             self.vllm.observe_iteration(rec)
         self.set_gauges(num_running, num_waiting, kv_usage, blocks_used)
+
+    def observe_budget(self, rec: IterationRecord, coefficients: Mapping[str, float]) -> None:
+        """The adaptive budget's decision for `rec` and the cost model it will plan the next with."""
+        if rec.prefill_budget is not None:
+            self.slo_budget.set(rec.prefill_budget)
+        if rec.slo_tbt_s is not None:
+            self.slo_target.set(rec.slo_tbt_s)
+            if rec.num_decode_tokens and rec.duration_s > rec.slo_tbt_s:
+                self.slo_missed.inc()
+        if rec.predicted_ns is not None:
+            self.slo_predicted.set(rec.predicted_ns / 1e9)
+        if rec.slo_feasible is False:
+            self.slo_infeasible.inc()
+        for term, value in coefficients.items():
+            self._cost_coefficient.labels(**self.const_labels, term=term).set(value)
 
     def set_gauges(self, num_running: int, num_waiting: int, kv_usage: float, blocks_used: int) -> None:
         """Queue and KV gauges; also set outside iterations (an abort on an idle engine)."""

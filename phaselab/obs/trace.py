@@ -160,6 +160,11 @@ def _iteration_slice(rec: IterationRecord, pid: int, clock: _Clock) -> Event:
             "blocks_used": rec.num_blocks_used,
             "blocks_free": rec.num_blocks_free,
             "preempted": list(rec.preempted_request_ids),
+            **({"prefill_budget": rec.prefill_budget, "budget_reason": rec.budget_reason,
+                "slo_tbt_ms": _ms(round(rec.slo_tbt_s * 1e9)) if rec.slo_tbt_s is not None else None,
+                "slo_feasible": rec.slo_feasible,
+                "predicted_ms": _ms(rec.predicted_ns) if rec.predicted_ns is not None else None,
+                "measured_ms": _ms(rec.end_ns - rec.start_ns)} if rec.prefill_budget is not None else {}),
         },
     }
 
@@ -172,6 +177,19 @@ def _iteration_counters(rec: IterationRecord, pid: int, clock: _Clock) -> list[E
         {"ph": "C", "name": "requests", "pid": pid, "tid": ITERATION_TID, "ts": ts,
          "args": {"running": rec.num_running, "waiting": rec.num_waiting}},
     ]
+    if rec.prefill_budget is not None:  # the adaptive budget over time (docs/slo.md)
+        events.append({"ph": "C", "name": "prefill budget (tokens)", "pid": pid, "tid": ITERATION_TID, "ts": ts,
+                       "args": {"budget": rec.prefill_budget, "prefill": rec.num_prefill_tokens}})
+        args = {"measured": _ms(rec.end_ns - rec.start_ns)}
+        if rec.predicted_ns is not None:
+            args["predicted"] = _ms(rec.predicted_ns)
+        if rec.slo_tbt_s is not None:
+            args["target"] = _ms(round(rec.slo_tbt_s * 1e9))
+        events.append({"ph": "C", "name": "iteration time vs TBT target (ms)", "pid": pid, "tid": ITERATION_TID,
+                       "ts": ts, "args": args})
+        if rec.slo_feasible is False:
+            events.append({"ph": "i", "s": "t", "name": "TBT target infeasible", "pid": pid, "tid": ITERATION_TID,
+                           "ts": ts, "args": {"min_chunk_budget": rec.prefill_budget}})
     if rec.preempted_request_ids:
         events.append({"ph": "i", "s": "t", "name": "preempt", "pid": pid, "tid": ITERATION_TID, "ts": ts,
                        "args": {"request_ids": list(rec.preempted_request_ids)}})

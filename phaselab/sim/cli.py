@@ -29,7 +29,7 @@ from phaselab.spec.config import ModelConfig
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
 MODEL_FIELDS = ("gpu_memory_utilization", "max_model_len")  # Deployment fields among the model options
 ROLE_FIELDS = ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-               "max_num_partial_prefills", "num_blocks")
+               "max_num_partial_prefills", "num_blocks", "slo_tbt_ms", "slo_ttft_ms", "slo_margin", "slo_min_chunk")
 DEPLOYMENT_FIELDS = ("block_size", "enable_prefix_caching", "tp_link", "transfer_link", "transfer_mode",
                      "first_token_from", "routing_policy")
 

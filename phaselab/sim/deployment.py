@@ -42,6 +42,11 @@ class RoleConfig:
     max_num_partial_prefills: int = field(default=1, metadata={
         "help": "most requests left mid-prefill after an iteration"})
     num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (None: from memory)"})
+    slo_tbt_ms: float = field(default=0.0, metadata={
+        "help": "TBT target (ms, 0 = off): the adaptive prefill budget, learned online as on the engine"})
+    slo_ttft_ms: float = field(default=0.0, metadata={"help": "TTFT target (ms, 0 = off), reported as attainment"})
+    slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept for prediction error"})
+    slo_min_chunk: int = field(default=32, metadata={"help": "smallest prefill chunk the adaptive budget gives"})
 
 
 @dataclass(frozen=True)
@@ -146,7 +151,9 @@ class Deployment:
         return SchedulerConfig.resolve(policy=rc.policy, max_num_batched_tokens=rc.max_num_batched_tokens,
                                        max_num_seqs=rc.max_num_seqs, max_model_len=max_model_len,
                                        long_prefill_token_threshold=rc.long_prefill_token_threshold,
-                                       max_num_partial_prefills=rc.max_num_partial_prefills)
+                                       max_num_partial_prefills=rc.max_num_partial_prefills,
+                                       slo_tbt_ms=rc.slo_tbt_ms, slo_ttft_ms=rc.slo_ttft_ms,
+                                       slo_margin=rc.slo_margin, slo_min_chunk=rc.slo_min_chunk)
 
     def cache_config(self, rc: RoleConfig) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks(rc), self.enable_prefix_caching)
@@ -155,8 +162,8 @@ class Deployment:
         hw = self.hardware.name
         if self.mode == "colocated":
             rc = self.colocated
-            return f"{self.num_replicas} x colocated ({rc.policy}, TP{rc.tp}) on {hw}: {self.num_gpus} GPUs"
-        return (f"disagg {self.num_prefill}P (TP{self.prefill.tp}, {self.prefill.policy}) : {self.num_decode}D "
+            return f"{self.num_replicas} x colocated ({_policy_text(rc)}, TP{rc.tp}) on {hw}: {self.num_gpus} GPUs"
+        return (f"disagg {self.num_prefill}P (TP{self.prefill.tp}, {_policy_text(self.prefill)}) : {self.num_decode}D "
                 f"(TP{self.decode.tp}) on {hw}, KV over {self.transfer_link_spec().name} ({self.transfer_mode}): "
                 f"{self.num_gpus} GPUs")
 
@@ -171,3 +178,16 @@ class Deployment:
         d["num_blocks"] = {role: self.num_blocks(rc) for role, _, rc in self.roles()}
         d["describe"] = self.describe()
         return d
+
+
+def _policy_text(rc: RoleConfig) -> str:
+    """The scheduling of one pool in words: policy, budget (fixed or adaptive), seats when not the default."""
+    if rc.slo_tbt_ms > 0:
+        text = f"adaptive budget <= {rc.max_num_batched_tokens or 2048} for TBT {rc.slo_tbt_ms:g} ms"
+    elif rc.policy == "chunked" and rc.max_num_batched_tokens:
+        text = f"chunked {rc.max_num_batched_tokens}"
+    else:
+        text = rc.policy
+    if rc.max_num_seqs != RoleConfig.max_num_seqs:
+        text += f", max_num_seqs {rc.max_num_seqs}"
+    return text

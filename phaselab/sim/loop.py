@@ -39,13 +39,15 @@ from typing import Any, Protocol
 import phaselab
 from phaselab.core.executor import Executor
 from phaselab.core.kv_cache_manager import cdiv
+from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
 from phaselab.core.outputs import SchedulerOutput, StepResult
+from phaselab.core.prompt import prompt_too_long
+from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.prompt import prompt_too_long
-from phaselab.core.recorder import PhaseRecorder
+from phaselab.core.slo import IterationCostCoefficients, plan_features
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
@@ -64,6 +66,21 @@ EOS_IDS = frozenset({EOS_TOKEN})
 
 class CostModel(Protocol):
     def predict(self, plan: SchedulerOutput) -> IterationCost: ...
+
+
+def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearner:
+    """The engine's warm-up (engine/budget.py) on the virtual clock: the same synthetic shapes,
+    timed by the cost model instead of the runner."""
+    sc, cc = scheduler.scheduler_config, scheduler.cache_config
+    learner = BudgetLearner(OnlineCostFitter(IterationCostCoefficients()), "warm-up (simulated)")
+    blocks = list(range(cc.num_blocks))
+    for i, (chunks, decodes) in enumerate(warm_up_shapes(sc.max_num_batched_tokens, sc.max_num_seqs,
+                                                         sc.max_model_len, cc.num_blocks * cc.block_size)):
+        plan = shape_plan(-1 - i, chunks, decodes, blocks, cc.block_size)
+        learner.fitter.update(plan_features(plan.scheduled), cost_model.predict(plan).duration_ns / NS)
+    learner.fitter.anchor()
+    scheduler.set_cost_coefficients(learner.coefficients)
+    return learner
 
 
 class CostModelExecutor(Executor):
@@ -103,6 +120,11 @@ class SimWorker:
         self.busy_ns = 0
         self.num_iterations = 0
         self.open_flows: list[Flow] = []  # layer-by-layer flows capped by this iteration
+        # the adaptive budget's online cost model, learning from the cost model's times as the
+        # engine learns from its measured ones (None under a fixed budget)
+        self.learner: BudgetLearner | None = None
+        if scheduler.scheduler_config.adaptive:
+            self.learner = warm_up_learner(scheduler, executor.cost_model)
 
     @property
     def has_work(self) -> bool:
@@ -308,6 +330,10 @@ class Simulator:
         end = self.events.now
         sched = w.scheduler
         deltas = sched.update(plan, result)
+        predicted = None
+        if w.learner is not None:  # learn from the iteration's time, as LLMEngine.step does
+            predicted = w.learner.observe(plan, (end - start) / NS)
+            sched.set_cost_coefficients(w.learner.coefficients)
         if self.check_invariants:
             sched.check_invariants()
         w.busy = False
@@ -343,7 +369,7 @@ class Simulator:
             self.recorder.iteration(
                 plan, start_ns=start, end_ns=end, prepare_ns=result.prepare_ns, forward_ns=result.forward_ns,
                 sample_ns=result.sample_ns, num_running=sched.num_running, num_waiting=sched.num_waiting,
-                modeled=cost.modeled, worker=w.name, role=w.role)
+                modeled=cost.modeled, worker=w.name, role=w.role, predicted_s=predicted)
         if w.has_work:
             self._kick(w)
 
@@ -485,6 +511,9 @@ class Simulator:
                       "kv_bytes_per_token": self.kv_per_token},
             "cost_model": {role: _describe_cost_model(self.workers[role][0].executor.cost_model)
                            for role, _, _ in d.roles()},
+            "slo": {w.name: {"tbt_s": w.scheduler.scheduler_config.slo_tbt_ms / 1e3,
+                             "cost_model": w.learner.to_json()}
+                    for pool in self.workers.values() for w in pool if w.learner is not None} or None,
             "transfer": ({"link": dataclasses.asdict(self.transfer_link), "mode": d.transfer_mode,
                           "first_token_from": d.first_token_from} if d.mode == "disagg" else None),
             "workload": {**self.workload_info, "num_requests": len(self.specs), "arrivals": self.arrivals.describe()},

@@ -116,7 +116,11 @@ def replay_inputs(data: RunData) -> tuple[Deployment, list[SimRequest], list[int
     model, dtype_bytes = run_model(cfg)
     rc = RoleConfig(tp=1, policy=sched.policy, max_num_batched_tokens=sched.max_num_batched_tokens,
                     max_num_seqs=sched.max_num_seqs, long_prefill_token_threshold=sched.long_prefill_token_threshold,
-                    max_num_partial_prefills=sched.max_num_partial_prefills, num_blocks=cache_cfg.num_blocks)
+                    max_num_partial_prefills=sched.max_num_partial_prefills, num_blocks=cache_cfg.num_blocks,
+                    # an adaptive run replays with the same policy; its budgets follow the replay's own
+                    # online fit (warm-up shapes priced by the replay), so its plans may part from the real ones
+                    slo_tbt_ms=sched.slo_tbt_ms, slo_ttft_ms=sched.slo_ttft_ms, slo_margin=sched.slo_margin,
+                    slo_min_chunk=sched.slo_min_chunk)
     deployment = Deployment(model, run_hardware(cfg), colocated=rc, dtype_bytes=dtype_bytes,
                             block_size=cache_cfg.block_size, enable_prefix_caching=cache_cfg.enable_prefix_caching,
                             max_model_len=sched.max_model_len)

@@ -122,12 +122,16 @@ def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int,
                policies: Sequence[str] = ("chunked", "prefill-first"), max_pool: int = 4,
                params: CostParams | None = None, base: dict[str, Any] | None = None,
                role: dict[str, Any] | None = None, ratios: Sequence[tuple[int, int]] | None = None,
-               prefill_policies: Sequence[str] = ("chunked",)) -> list[Deployment]:
+               prefill_policies: Sequence[str] = ("chunked",), adaptive_tbt_ms: Sequence[float] = (),
+               max_num_seqs: Sequence[int | None] = (None,)) -> list[Deployment]:
     """Every deployment unit of the search space that fits in max_gpus and in memory.
 
     role: more RoleConfig fields for every engine (max_num_seqs, long_prefill_token_threshold, ...);
     ratios: the disaggregated (P, D) engine counts to try (default: every coprime pair up to max_pool);
-    prefill_policies: the prefill pool's scheduling (chunked with each budget, or prefill-first)."""
+    prefill_policies: the prefill pool's scheduling (chunked with each budget, or prefill-first);
+    adaptive_tbt_ms: colocated chunked engines whose budget adapts to each target (up to the largest
+    budget, docs/slo.md); max_num_seqs: seats of colocated engines and decode pools to try (None:
+    RoleConfig's default, or role's)."""
     base, role = base or {}, role or {}
     out: list[Deployment] = []
     tps = [t for t in tps if t <= max_gpus and model.num_attention_heads % t == 0]
@@ -139,11 +143,18 @@ def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int,
         except ConfigError:
             return False
 
+    def seats(n: int | None) -> dict[str, int]:
+        return {} if n is None else {"max_num_seqs": n}
+
     if "colocated" in modes:
-        for tp, policy in itertools.product(tps, policies):
-            for budget in (budgets if policy == "chunked" else [None]):
-                d = Deployment(model, hardware, "colocated", colocated=RoleConfig(tp=tp, policy=policy,
-                               max_num_batched_tokens=budget, **role), params=params, **base)
+        for tp, seq in itertools.product(tps, max_num_seqs):
+            scheduling = [(policy, budget, 0.0) for policy in policies
+                          for budget in (budgets if policy == "chunked" else [None])]
+            scheduling += [("chunked", max(budgets, default=None), t) for t in adaptive_tbt_ms]
+            for policy, budget, target in scheduling:
+                d = Deployment(model, hardware, "colocated", colocated=RoleConfig(
+                    tp=tp, policy=policy, max_num_batched_tokens=budget, slo_tbt_ms=target, **{**role, **seats(seq)}),
+                    params=params, **base)
                 if fits(d):
                     out.append(d)
     if "disagg" in modes:
@@ -152,11 +163,11 @@ def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int,
         for (p, dn), tp_p, tp_d in itertools.product(pairs, tps, tps):
             if p * tp_p + dn * tp_d > max_gpus:
                 continue
-            for policy in prefill_policies:
+            for policy, seq in itertools.product(prefill_policies, max_num_seqs):
                 for budget in (budgets if policy == "chunked" else [None]):
                     d = Deployment(model, hardware, "disagg", num_prefill=p, num_decode=dn,
                                    prefill=RoleConfig(tp=tp_p, policy=policy, max_num_batched_tokens=budget, **role),
-                                   decode=RoleConfig(tp=tp_d, **role), params=params, **base)
+                                   decode=RoleConfig(tp=tp_d, **{**role, **seats(seq)}), params=params, **base)
                     if fits(d):
                         out.append(d)
     return out

@@ -1,0 +1,278 @@
+"""The online fit of the iteration cost coefficients (core/slo.py) from measured iterations.
+
+    seed theta_0 (a calibration file, or a short warm-up's fit)
+    every measured iteration: x = features(plan) = (1, prefill tokens, prefill keys, decodes, decode keys),
+                              y = its measured seconds
+        R = lam R + x x',  r = lam r + x y                 (exponentially weighted: the machine drifts,
+                                                             an observation's weight halves in ~35 iterations)
+        theta = argmin  sum_k lam^(n-k) (x_k' theta - y_k)^2 / noise^2 + sum_i (theta_i - theta_0,i)^2 / std_i^2
+                 over lower <= theta <= upper, lower >= 0   (bounded least squares, by coordinate descent
+                                                             warm-started from the previous theta)
+
+After the warm-up, a quarter of its information is kept without decay (`anchor`): a budget held
+small by the target stops producing the large chunks that measure a chunk's cost, and without the
+anchor that direction of the fit would be left to noise. The prior term keeps a coefficient whose
+regressor never varied (no decodes in a warm-up, say)
+at its seed instead of letting it drift; std_i is prior_relative_std x the seed, or prior_floor_s
+for an unseeded (zero) coefficient, which data then move freely. `lower` may carry a physical
+floor (FLOPs over peak: no efficiency above 1). Solving the bounded problem each time, instead of
+clamping a recursive-least-squares estimate, keeps the fit stable when a bound is active: a clamped
+RLS estimate loses the compensation between correlated coefficients and diverges.
+
+Features are scaled to comparable magnitudes internally (a prefill key costs ~1e6 times less
+than an iteration's overhead), so the problem is well conditioned in plain Python floats.
+Pure: no clock, no random, no torch; the engine (or the simulator) passes the numbers in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
+from phaselab.core.sampling_params import SamplingParams
+from phaselab.core.slo import COEFFICIENT_NAMES, IterationCostCoefficients, plan_features
+from phaselab.errors import ConfigError
+
+# nominal size of each regressor in one busy iteration: its coefficient in scaled units is "seconds
+# per nominal iteration's worth", of the same order for all five
+FEATURE_SCALES = (1.0, 1e3, 1e6, 1e2, 1e5)
+N = len(COEFFICIENT_NAMES)
+
+
+@dataclass(frozen=True)
+class FitterConfig:
+    forgetting: float = 0.98  # lam
+    noise_s: float = 1e-4  # measurement noise of one iteration's time: weighs data against the prior
+    prior_relative_std: float = 1.0  # how far from its seed a seeded coefficient plausibly is (x seed)
+    prior_floor_s: float = 1.0  # prior std (scaled units) of a coefficient seeded at 0: learn it from data
+    max_sweeps: int = 200  # coordinate-descent sweeps per update (warm-started: usually a few)
+
+    def __post_init__(self) -> None:
+        if not 0.5 <= self.forgetting <= 1.0:
+            raise ConfigError(f"forgetting={self.forgetting} must be in [0.5, 1]")
+        if not (self.noise_s > 0 and self.prior_relative_std > 0 and self.prior_floor_s > 0):
+            raise ConfigError("noise_s, prior_relative_std and prior_floor_s must be > 0")
+
+
+class OnlineCostFitter:
+    """Exponentially weighted, bounded least squares (module docstring)."""
+
+    def __init__(self, seed: IterationCostCoefficients, config: FitterConfig | None = None,
+                 lower: IterationCostCoefficients | None = None,
+                 upper: IterationCostCoefficients | None = None) -> None:
+        self.config = cfg = config or FitterConfig()
+        self._lower = [v * s for v, s in zip((lower or IterationCostCoefficients()).as_tuple(), FEATURE_SCALES)]
+        self._upper = [v * s if upper is not None else float("inf")
+                       for v, s in zip((upper or IterationCostCoefficients()).as_tuple(), FEATURE_SCALES)]
+        for lo, hi, name in zip(self._lower, self._upper, COEFFICIENT_NAMES):
+            if lo > hi:
+                raise ConfigError(f"cost coefficient {name}: lower bound above upper bound; check the bounds given")
+        self.theta0 = [min(max(v * s, lo), hi) for v, s, lo, hi in
+                       zip(seed.as_tuple(), FEATURE_SCALES, self._lower, self._upper)]
+        self.theta = list(self.theta0)
+        std = [cfg.prior_relative_std * t if t > 0 else cfg.prior_floor_s for t in self.theta0]
+        self._prior_precision = [1.0 / (v * v) for v in std]
+        self.R = [[0.0] * N for _ in range(N)]  # decayed sum of x x' (scaled features)
+        self.r = [0.0] * N  # decayed sum of x y
+        # the warm-up's information, kept without decay (anchor()): the directions that serving stops
+        # exciting (large chunks while the budget is held small) keep what the warm-up measured
+        self.R_anchor = [[0.0] * N for _ in range(N)]
+        self.r_anchor = [0.0] * N
+        self.num_updates = 0
+        self.last_error_s = 0.0  # measured - predicted of the last update (before it)
+
+    # -- the model as data ------------------------------------------------------------------------
+    @property
+    def coefficients(self) -> IterationCostCoefficients:
+        return IterationCostCoefficients.from_tuple(t / s for t, s in zip(self.theta, FEATURE_SCALES))
+
+    def predict(self, features: Sequence[float]) -> float:
+        return sum(t * x / s for t, x, s in zip(self.theta, features, FEATURE_SCALES, strict=True))
+
+    # -- learning ----------------------------------------------------------------------------------
+    def update(self, features: Sequence[float], measured_s: float) -> None:
+        """One measured iteration: its features (core.slo.plan_features) and its duration."""
+        if not features[0]:
+            return  # an empty iteration carries no information
+        if not measured_s >= 0:
+            raise ValueError(f"measured iteration time {measured_s!r} must be >= 0")
+        lam = self.config.forgetting
+        x = [f / s for f, s in zip(features, FEATURE_SCALES, strict=True)]
+        self.last_error_s = measured_s - sum(t * v for t, v in zip(self.theta, x))
+        for i in range(N):
+            row = self.R[i]
+            for j in range(N):
+                row[j] = lam * row[j] + x[i] * x[j]
+            self.r[i] = lam * self.r[i] + x[i] * measured_s
+        self._solve()
+        self.num_updates += 1
+
+    def anchor(self, weight: float = 0.25) -> None:
+        """Keep `weight` x what has been learned so far (the warm-up) forever: forgetting then only
+        fades what later iterations taught. Without it, a budget held small stops producing the
+        large chunks that measure a chunk's cost, their information fades, and the fit of those
+        directions is left to noise (the policy cannot learn what it no longer tries)."""
+        self.R_anchor = [[weight * v for v in row] for row in self.R]
+        self.r_anchor = [weight * v for v in self.r]
+
+    def _solve(self) -> None:
+        """The bounded quadratic by active sets: solve for the free coefficients with the others at
+        their bounds; clamp a free one that leaves its box, release a bound one whose gradient
+        points inside; a handful of 5x5 solves. Coordinate descent finishes it if that cycles."""
+        w = 1.0 / self.config.noise_s ** 2
+        H = [[w * (v + a) for v, a in zip(row, arow)] for row, arow in zip(self.R, self.R_anchor)]
+        b = [w * (v + a) for v, a in zip(self.r, self.r_anchor)]
+        for i in range(N):
+            H[i][i] += self._prior_precision[i]
+            b[i] += self._prior_precision[i] * self.theta0[i]
+        lo, hi = self._lower, self._upper
+        theta = [min(max(t, lo[i]), hi[i]) for i, t in enumerate(self.theta)]
+        # start from the coefficients held at a bound that the gradient pushes against it
+        bound = {i for i in range(N) if (theta[i] == lo[i] and self._gradient(H, b, theta, i) > 0)
+                 or (theta[i] == hi[i] and self._gradient(H, b, theta, i) < 0)}
+        for _ in range(4 * N):
+            free = [i for i in range(N) if i not in bound]
+            rhs = [b[i] - sum(H[i][j] * theta[j] for j in bound) for i in free]
+            sol = _solve_linear([[H[i][j] for j in free] for i in free], rhs)
+            if sol is None or not all(math.isfinite(v) for v in sol):
+                break  # (near-)singular: coordinate descent below, which only ever divides by H[i][i] > 0
+            outside = [(max(lo[i] - v, v - hi[i]), i, v) for i, v in zip(free, sol) if not lo[i] <= v <= hi[i]]
+            if outside:
+                # step from theta toward the solution until the first free coefficient hits its bound
+                step, first = 1.0, None
+                for i, v in zip(free, sol):
+                    if v < lo[i] and theta[i] - v > 0:
+                        a = (theta[i] - lo[i]) / (theta[i] - v)
+                    elif v > hi[i] and v - theta[i] > 0:
+                        a = (hi[i] - theta[i]) / (v - theta[i])
+                    else:
+                        continue
+                    if a < step:
+                        step, first = a, i
+                for i, v in zip(free, sol):
+                    theta[i] = min(max(theta[i] + step * (v - theta[i]), lo[i]), hi[i])
+                if first is None:
+                    first = max(outside)[1]
+                theta[first] = lo[first] if sol[free.index(first)] < lo[first] else hi[first]
+                bound.add(first)
+                continue
+            for i, v in zip(free, sol):
+                theta[i] = v
+            # KKT: a coefficient held at a bound must have its gradient pushing it out of the box
+            release = [(abs(g), i) for i in bound if (g := self._gradient(H, b, theta, i)) != 0
+                       and ((theta[i] == lo[i] and g < 0) or (theta[i] == hi[i] and g > 0))]
+            if not release:
+                self.theta = theta
+                return
+            bound.discard(max(release)[1])
+        for _ in range(self.config.max_sweeps):  # fallback: coordinate descent from where it got
+            moved = 0.0
+            for i in range(N):
+                rest = b[i] - sum(H[i][j] * theta[j] for j in range(N) if j != i)
+                new = min(max(rest / H[i][i], lo[i]), hi[i])
+                moved = max(moved, abs(new - theta[i]) / (abs(new) + 1e-12))
+                theta[i] = new
+            if moved < 1e-9:
+                break
+        self.theta = theta
+
+    @staticmethod
+    def _gradient(H: list[list[float]], b: list[float], theta: list[float], i: int) -> float:
+        return sum(H[i][j] * theta[j] for j in range(N)) - b[i]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"coefficients": self.coefficients.to_json(), "num_updates": self.num_updates,
+                "last_error_s": self.last_error_s, "forgetting": self.config.forgetting}
+
+
+class BudgetLearner:
+    """What an engine loop (real or simulated) keeps for the adaptive budget: the fitter, fed with
+    each executed plan and its measured seconds; the scheduler reads `coefficients` before the next plan."""
+
+    def __init__(self, fitter: OnlineCostFitter, seed_source: str) -> None:
+        self.fitter = fitter
+        self.seed_source = seed_source  # where the starting coefficients came from (recorded with the run)
+
+    @property
+    def coefficients(self) -> IterationCostCoefficients:
+        return self.fitter.coefficients
+
+    def predict(self, plan: SchedulerOutput) -> float:
+        return self.coefficients.predict_features(plan_features(plan.scheduled))
+
+    def observe(self, plan: SchedulerOutput, measured_s: float) -> float:
+        """Learn from one executed plan; returns what the model predicted for it beforehand."""
+        features = plan_features(plan.scheduled)
+        predicted = self.coefficients.predict_features(features)
+        self.fitter.update(features, measured_s)
+        return predicted
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.fitter.to_json(), "seed_source": self.seed_source}
+
+
+def _solve_linear(A: list[list[float]], y: list[float]) -> list[float] | None:
+    """A x = y by Gaussian elimination with partial pivoting (A small, symmetric positive definite
+    here); None if it is singular."""
+    n = len(y)
+    M = [row[:] + [v] for row, v in zip(A, y)]
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(M[r][c]))
+        if abs(M[p][c]) < 1e-300:
+            return None
+        M[c], M[p] = M[p], M[c]
+        for r in range(c + 1, n):
+            f = M[r][c] / M[c][c]
+            if f:
+                for k in range(c, n + 1):
+                    M[r][k] -= f * M[c][k]
+    x = [0.0] * n
+    for c in range(n - 1, -1, -1):
+        x[c] = (M[c][n] - sum(M[c][k] * x[k] for k in range(c + 1, n))) / M[c][c]
+    return x
+
+
+# -- the warm-up: a few synthetic iterations that vary every regressor --------------------------------
+def warm_up_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, capacity_tokens: int
+                   ) -> list[tuple[list[tuple[int, int]], list[int]]]:
+    """(prefill chunks [(num_tokens, start)], decode contexts) of the warm-up iterations: prefill
+    alone at three sizes and two prefix lengths, decodes alone at three batch sizes and contexts,
+    and two mixes, all within the budget, the seats, the context and half the KV capacity."""
+    budget, seats, ctx = max_num_batched_tokens, max_num_seqs, max_model_len - 1
+    room = max(2, capacity_tokens // 2)
+
+    def chunk(n: int, start: int) -> tuple[int, int]:
+        n = max(2, min(n, budget, ctx))
+        return n, max(0, min(start, ctx - n, room - n))
+
+    def decodes(k: int, context: int) -> list[int]:
+        k = max(1, min(k, seats, budget))
+        return [max(1, min(context, ctx, room // k))] * k
+
+    shapes = [
+        ([chunk(64, 0)], []), ([chunk(256, 0)], []), ([chunk(512, 0)], []),
+        ([chunk(128, 512)], []), ([chunk(256, 1024)], []),
+        ([], decodes(1, 128)), ([], decodes(8, 256)), ([], decodes(32, 512)), ([], decodes(8, 1024)),
+        ([chunk(128, 256)], decodes(8, 256)), ([chunk(256, 0)], decodes(16, 512)),
+    ]
+    return [shape for shape in shapes if sum(n for n, _ in shape[0]) + len(shape[1]) <= budget]
+
+
+def shape_plan(iteration_id: int, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int],
+               block_ids: Sequence[int], block_size: int) -> SchedulerOutput:
+    """A synthetic plan of the given shape over borrowed blocks (shared between its entries: only
+    the time is wanted, the K/V written are garbage). Decodes and chunk ends sample greedily."""
+    greedy = SamplingParams(temperature=0.0)
+    plan = SchedulerOutput(iteration_id=iteration_id)
+    entries = [(n, s, True) for n, s in chunks] + [(1, c - 1, False) for c in decode_contexts]
+    for i, (n, start, is_prefill) in enumerate(entries):
+        num_table = -(-(start + n) // block_size)
+        table = [block_ids[(i + j) % len(block_ids)] for j in range(num_table)]
+        plan.scheduled.append(ScheduledRequest(
+            request_id=f"warm-up-{iteration_id}-{i}", token_ids=[(7 * j + i) % 1000 + 1 for j in range(n)],
+            start_position=start, block_ids=table, new_block_ids=[], sample=True, is_prefill=is_prefill,
+            sampling_params=greedy))
+    return plan

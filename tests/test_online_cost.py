@@ -1,0 +1,109 @@
+"""The online cost fitter (core/online_cost.py): it recovers coefficients that generated the data,
+stays within its bounds, follows a drift, and its warm-up shapes respect the engine's limits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phaselab.core.online_cost import BudgetLearner, FitterConfig, OnlineCostFitter, shape_plan, warm_up_shapes
+from phaselab.core.slo import IterationCostCoefficients, iteration_features, plan_features
+
+TRUE = IterationCostCoefficients(overhead_s=0.02, prefill_token_s=4e-4, prefill_context_s=2e-8,
+                                 decode_seq_s=1.5e-3, decode_context_s=3e-7)
+
+
+def random_iteration(rng: random.Random) -> tuple[list[tuple[int, int]], list[int]]:
+    chunks = [(rng.randint(1, 512), rng.randint(0, 2048)) for _ in range(rng.randint(0, 2))]
+    decodes = [rng.randint(1, 3000) for _ in range(rng.randint(0 if chunks else 1, 32))]
+    return chunks, decodes
+
+
+def test_recovers_generating_coefficients_from_noisy_times():
+    rng = random.Random(1)
+    fitter = OnlineCostFitter(IterationCostCoefficients())
+    for _ in range(400):
+        chunks, decodes = random_iteration(rng)
+        t = TRUE.predict(chunks, decodes)
+        fitter.update(iteration_features(chunks, decodes), t * (1 + rng.gauss(0, 0.02)))
+    got = fitter.coefficients
+    for name in TRUE.to_json():
+        assert getattr(got, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
+    # and it predicts iterations it never saw within a few percent
+    for _ in range(50):
+        chunks, decodes = random_iteration(rng)
+        assert fitter.predict(iteration_features(chunks, decodes)) == pytest.approx(TRUE.predict(chunks, decodes),
+                                                                                    rel=0.05)
+
+
+def test_follows_a_drift():
+    """The machine slows down by half (another process took a core): the fit follows."""
+    rng = random.Random(2)
+    fitter = OnlineCostFitter(TRUE)
+    slower = IterationCostCoefficients.from_tuple(1.5 * v for v in TRUE.as_tuple())
+    for _ in range(300):
+        chunks, decodes = random_iteration(rng)
+        fitter.update(iteration_features(chunks, decodes), slower.predict(chunks, decodes))
+    chunks, decodes = [(256, 512)], [800] * 8
+    assert fitter.predict(iteration_features(chunks, decodes)) == pytest.approx(slower.predict(chunks, decodes),
+                                                                                rel=0.05)
+
+
+@settings(max_examples=300, deadline=None)
+@given(times=st.lists(st.floats(0, 5), min_size=1, max_size=60), seed=st.integers(0, 10**6))
+def test_coefficients_stay_within_bounds_whatever_is_measured(times, seed):
+    rng = random.Random(seed)
+    lower = IterationCostCoefficients(prefill_token_s=1e-5)  # e.g. a FLOP floor: no efficiency above 1
+    upper = IterationCostCoefficients(1.0, 1e-2, 1e-5, 1e-1, 1e-4)
+    fitter = OnlineCostFitter(IterationCostCoefficients(), FitterConfig(forgetting=0.9), lower=lower, upper=upper)
+    for t in times:
+        chunks, decodes = random_iteration(rng)
+        fitter.update(iteration_features(chunks, decodes), t)
+        for lo, v, hi in zip(lower.as_tuple(), fitter.coefficients.as_tuple(), upper.as_tuple()):
+            assert lo * (1 - 1e-12) <= v <= hi * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("budget,seats,max_len,capacity", [(2048, 128, 8192, 90000), (64, 4, 300, 400), (8, 2, 40, 64)])
+def test_warm_up_shapes_fit_the_limits(budget, seats, max_len, capacity):
+    shapes = warm_up_shapes(budget, seats, max_len, capacity)
+    assert shapes
+    for i, (chunks, decodes) in enumerate(shapes):
+        assert sum(n for n, _ in chunks) + len(decodes) <= budget and len(chunks) + len(decodes) <= seats + 1
+        assert all(s + n <= max_len - 1 and s + n <= max(2, capacity // 2) for n, s in chunks)
+        assert all(c <= max_len - 1 for c in decodes)
+        plan = shape_plan(i, chunks, decodes, list(range(10)), 16)
+        assert plan_features(plan.scheduled) == iteration_features(chunks, decodes)
+
+
+def test_learner_reports_its_prediction_before_learning():
+    learner = BudgetLearner(OnlineCostFitter(TRUE), "test")
+    plan = shape_plan(0, [(100, 0)], [50, 60], [0, 1, 2, 3, 4, 5, 6, 7], 16)
+    predicted = learner.observe(plan, 1.0)
+    assert predicted == pytest.approx(TRUE.predict([(100, 0)], [50, 60]))
+    assert learner.predict(plan) > predicted  # it learned that the plan takes longer
+
+
+def test_the_warm_up_anchor_keeps_what_serving_stops_measuring():
+    """After a warm-up with large chunks, serving (a held budget) only runs small chunks beside
+    decodes, with noise. Anchored, the fit still prices a large chunk; without the anchor the
+    forgotten large-chunk information leaves that prediction to the noise of small-chunk data."""
+    rng = random.Random(3)
+    warm = [([(n, s)], []) for n, s in ((64, 0), (256, 0), (512, 0), (128, 512), (256, 1024))] + \
+        [([], [c] * k) for k, c in ((1, 128), (8, 256), (32, 512), (8, 1024))] + [([(128, 256)], [256] * 8)]
+    errors = {}
+    for anchored in (True, False):
+        fitter = OnlineCostFitter(IterationCostCoefficients())
+        for chunks, decodes in warm:
+            fitter.update(iteration_features(chunks, decodes), TRUE.predict(chunks, decodes))
+        if anchored:
+            fitter.anchor()
+        for _ in range(600):  # small chunks at one prefix length, noisy
+            chunks, decodes = [(rng.randint(30, 40), 900)], [rng.randint(500, 1500) for _ in range(12)]
+            fitter.update(iteration_features(chunks, decodes), TRUE.predict(chunks, decodes) * rng.uniform(0.7, 1.3))
+        big = ([(512, 0)], [])
+        errors[anchored] = abs(fitter.predict(iteration_features(*big)) / TRUE.predict(*big) - 1)
+    assert errors[True] < 0.1
+    assert errors[True] < errors[False]
