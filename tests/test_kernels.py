@@ -155,3 +155,25 @@ def test_engine_decode_step_same_with_kernel_and_torch_path(dtype):
             gap = float(ref[row, want] - ref[row, got])
             assert got == want or gap < 0.25, f"row {row}: bf16 kernel picks {got}, fp32 {want} by {gap:.3f}"
     assert pool.num_used_blocks == 0
+
+
+def test_loading_the_kernels_keeps_subnormal_arithmetic():
+    """A shared object built with -ffast-math sets flush-to-zero / denormals-are-zero for the whole
+    process when it loads (gcc links crtfastmath.o into it): torch, numpy and Python floats would then
+    lose subnormals. Loading phaselab's kernels must leave the process's arithmetic as it was."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from phaselab.model import kernels\n"
+        "from phaselab.model.kernels import qlinear\n"
+        "assert kernels.available(), kernels.unavailable_reason()\n"
+        "assert qlinear.available(), qlinear.unavailable_reason()\n"
+        "tiny = float(sys.argv[1])\n"
+        "print(tiny / 2 > 0.0, tiny * 0.5 > 0.0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, repr(2.2250738585072014e-308)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True"], f"subnormals flushed after loading the kernels: {out.stdout}"

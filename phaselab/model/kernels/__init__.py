@@ -32,7 +32,12 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
+# The parts of -ffast-math that let the compiler vectorize the reductions, spelled out: -ffast-math
+# itself (like -Ofast and -funsafe-math-optimizations) makes gcc link crtfastmath.o into the shared
+# object, whose constructor sets flush-to-zero / denormals-are-zero for the WHOLE process on load,
+# changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+          "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
 _ABI = 1
 
 _lib: ctypes.CDLL | None = None
