@@ -107,53 +107,75 @@ def _decode_steps_at(path, batch):
             if r["num_prefill_tokens"] == 0 and r["num_decode_tokens"] == batch]
 
 
-def test_decode_kv_bound(checkpoint, tmp_path):
-    """The run: a short wave (32 requests, 16-token prompts, 24 tokens) then a long one (the same
-    batch over a 1600-token shared prefix from the prefix cache, 28 tokens), so the history varies
-    within the run. Truth by a controlled experiment outside it: the same batch of 32 decoding at
-    short and at long histories in two separate runs gives the cost per history token,
-    (long step - short step) / (long history - short history); the K/V share of the run's decode
-    time is that cost times each step's history over the steps' measured time."""
-    rng = np.random.default_rng(2)
-    prefix = random_prompt(rng, 1600)
-    arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
-    arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
-    arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 28, after_finished="warm") for i in range(32)]
-    d, run = _run(_engine(checkpoint), arrivals, tmp_path / "decode")
-    assert sum(m.num_cached_tokens for m in run.requests) >= 32 * 1584  # the long histories came from the cache
-    # the controlled experiment: batch 32 at short, then at long histories, each its own run
-    # alternated three times, medians of all: the shared machine's load drifts between runs
+def _per_history_token(engine, rng, prefix, rounds):
+    """The controlled experiment: batch 32 decoding at short, then at long histories, each wave its
+    own run, alternated `rounds` times. Returns the steps' times and histories per length."""
     steps: dict[str, list[float]] = {"short": [], "long": []}
     ctxs: dict[str, list[float]] = {"short": [], "long": []}
-    engine = _engine(checkpoint)
-    for k in range(3):
+    for k in range(rounds):
         for name, pre in (("short", []), ("long", prefix)):
-            wave = [Arrival(f"{name}{k}-{i}", pre + random_prompt(rng, 16), 10, at_s=0.0) for i in range(32)]
+            tag = f"{name}{k}-{rng.integers(1 << 30)}"
+            wave = [Arrival(f"{tag}-{i}", pre + random_prompt(rng, 16), 10, at_s=0.0) for i in range(32)]
             if pre:
-                wave = [Arrival(f"w{k}", pre + random_prompt(rng, 16), 1, at_s=0.0)] + [
-                    dataclasses.replace(a, at_s=None, after_finished=f"w{k}") for a in wave]
+                wave = [Arrival(f"w{tag}", pre + random_prompt(rng, 16), 1, at_s=0.0)] + [
+                    dataclasses.replace(a, at_s=None, after_finished=f"w{tag}") for a in wave]
             n = len(engine.iterations)
             run_arrivals(engine, wave)
             batch = [r for r in list(engine.iterations)[n:] if r.num_prefill_tokens == 0 and r.num_decode_tokens == 32]
             steps[name] += [r.duration_s for r in batch]
             ctxs[name] += [float(sum(c.context_len for c in r.chunks)) for r in batch]
-    short_s, long_s = float(np.median(steps["short"])), float(np.median(steps["long"]))
-    short_ctx, long_ctx = float(np.mean(ctxs["short"])), float(np.mean(ctxs["long"]))
-    per_token = (long_s - short_s) / (long_ctx - short_ctx)
-    its = [r for r in _raw(tmp_path / "decode", "iterations.jsonl")
-           if r["num_prefill_tokens"] == 0 and r["num_decode_tokens"] > 0]
-    truth = per_token * sum(sum(c["context_len"] for c in r["chunks"]) for r in its) / sum(
-        (r["end_ns"] - r["start_ns"]) / 1e9 for r in its)
-    att = d.account.attribution["engine-0"]
-    print(f"K/V share of decode time: diagnosis {d.top.key.value:.4f}, controlled experiment {truth:.4f}; per history "
-          f"token {att.per_kv_token_s * 1e6:.3f} vs {per_token * 1e6:.3f} us ({short_s * 1e3:.1f} ms at {short_ctx:.0f} "
-          f"vs {long_s * 1e3:.1f} ms at {long_ctx:.0f} tokens)" + _shares(d))
-    assert att.separable, att.reason
-    # the measured cost per history token agrees with the controlled experiment within the fit's own
-    # 95% interval (or 15%): on a shared 2-core machine the runs' load drifts by more than 15%
-    assert abs(att.per_kv_token_s - per_token) <= max(att.ci[2], REL * per_token)
-    decode = d.account.shares["decode-kv"] + d.account.shares["decode-step"]
-    assert d.top is not None and d.top.cause in ("decode-kv", "decode-step") and decode > 0.5, d.account.shares
+    return steps, ctxs
+
+
+def test_decode_kv_bound(checkpoint, tmp_path):
+    """The run: a short wave (32 requests, 16-token prompts, 24 tokens) then a long one (the same
+    batch over a 1600-token shared prefix from the prefix cache, 28 tokens), so the history varies
+    within the run. Truth by a controlled experiment outside it: the same batch of 32 decoding at
+    short and at long histories in separate runs gives the cost per history token,
+    (long step - short step) / (long history - short history); the K/V share of the run's decode
+    time is that cost times each step's history over the steps' measured time.
+
+    The experiment's rounds sandwich the diagnosed run (two before, two after), so a drift of the
+    shared machine's load during the test moves both alike. A disagreement is measured once more
+    from scratch before it fails: load on a 2-core CI machine can shift by more than the tolerance
+    within a minute, a wrong attribution is wrong both times."""
+    rng = np.random.default_rng(2)
+    prefix = random_prompt(rng, 1600)
+    outcomes = []
+    for attempt in range(2):
+        engine = _engine(checkpoint)
+        steps, ctxs = _per_history_token(engine, rng, prefix, rounds=2)
+        arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
+        arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
+        arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 28, after_finished="warm") for i in range(32)]
+        path = tmp_path / f"decode{attempt}"
+        d, run = _run(_engine(checkpoint), arrivals, path)
+        assert sum(m.num_cached_tokens for m in run.requests) >= 32 * 1584  # the long histories came from the cache
+        after_steps, after_ctxs = _per_history_token(engine, rng, prefix, rounds=2)
+        for name in steps:
+            steps[name] += after_steps[name]
+            ctxs[name] += after_ctxs[name]
+        short_s, long_s = float(np.median(steps["short"])), float(np.median(steps["long"]))
+        short_ctx, long_ctx = float(np.mean(ctxs["short"])), float(np.mean(ctxs["long"]))
+        per_token = (long_s - short_s) / (long_ctx - short_ctx)
+        its = [r for r in _raw(path, "iterations.jsonl")
+               if r["num_prefill_tokens"] == 0 and r["num_decode_tokens"] > 0]
+        truth = per_token * sum(sum(c["context_len"] for c in r["chunks"]) for r in its) / sum(
+            (r["end_ns"] - r["start_ns"]) / 1e9 for r in its)
+        att = d.account.attribution["engine-0"]
+        assert att.separable, att.reason
+        print(f"attempt {attempt + 1}: K/V share of decode time: diagnosis {att.shares['kv']:.4f}, controlled "
+              f"experiment {truth:.4f}; per history token {att.per_kv_token_s * 1e6:.3f} vs {per_token * 1e6:.3f} us "
+              f"({short_s * 1e3:.1f} ms at {short_ctx:.0f} vs {long_s * 1e3:.1f} ms at {long_ctx:.0f} tokens)"
+              + _shares(d))
+        decode = d.account.shares["decode-kv"] + d.account.shares["decode-step"]
+        assert d.top is not None and d.top.cause in ("decode-kv", "decode-step") and decode > 0.5, d.account.shares
+        # the measured cost per history token agrees with the controlled experiment within the fit's
+        # own 95% interval or 15%, whichever is wider
+        outcomes.append((abs(att.per_kv_token_s - per_token), max(att.ci[2], REL * per_token)))
+        if outcomes[-1][0] <= outcomes[-1][1]:
+            break
+    assert outcomes[-1][0] <= outcomes[-1][1], f"(|diagnosis - experiment|, tolerance) per attempt: {outcomes}"
 
 
 def test_stall(checkpoint, tmp_path):
