@@ -40,9 +40,9 @@ class Verification:
         """The largest relative difference between two runs of the same side: the rerun's noise."""
         out = None
         for side in self.runs.values():
-            vals = [r[name] for r in side if r.get(name) is not None]
+            vals = [v for r in side if (v := r.get(name)) is not None]
             if len(vals) >= 2 and min(vals) > 0:
-                d = (max(vals) - min(vals)) / min(vals)  # type: ignore[operator]
+                d = (max(vals) - min(vals)) / min(vals)
                 out = d if out is None else max(out, d)
         return out
 
@@ -102,8 +102,8 @@ def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any],
 def _mean(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for n in FIGURES:
-        vals = [r[n] for r in runs if r.get(n) is not None]
-        out[n] = sum(vals) / len(vals) if vals else None  # type: ignore[arg-type]
+        vals = [v for r in runs if (v := r.get(n)) is not None]
+        out[n] = sum(vals) / len(vals) if vals else None
     return out
 
 
