@@ -249,9 +249,14 @@ def test_kv_capacity_with_preemption(checkpoint, tmp_path):
 
 def test_healthy_control_raises_no_false_alarm(checkpoint, tmp_path):
     """Four short requests, one at a time with room to spare: the time is the decode work itself;
-    no queue, stall, KV-capacity or transfer cause may carry weight."""
+    no queue, stall, KV-capacity or transfer cause may carry weight. Each arrives when the one before
+    finished (spaced by 1.5 s, a request outlasted its gap on a loaded 2-core machine and the
+    next one queued: 18% queue in a "healthy" run)."""
     rng = np.random.default_rng(5)
-    arrivals = [Arrival(f"h{i}", random_prompt(rng, 32), 16, at_s=i * 1.5) for i in range(4)]
+    arrivals: list[Arrival] = []
+    for i in range(4):
+        arrivals.append(Arrival(f"h{i}", random_prompt(rng, 32), 16, at_s=None if arrivals else 0.0,
+                                after_finished=arrivals[-1].request_id if arrivals else None))
     d, _ = _run(_engine(checkpoint), arrivals, tmp_path / "healthy")
     assert d.top is not None and d.top.cause in ("decode-step", "decode", "decode-kv"), d.account.shares
     shares = d.account.shares
