@@ -87,6 +87,27 @@ def test_prefill_first_interference_stalls_the_streams(compare_run):
     assert small["summary"]["max_stall_s"] < pf["summary"]["max_stall_s"]
 
 
+def test_compare_shows_predicted_vs_measured(compare_run):
+    """Each fixed-budget chunked configuration is predicted from the prefill-first run and set against
+    its own run: on the terminal and in summary.json, with both sides of every figure. Chunking
+    shortens the streams' longest gap: predicted and measured alike (the measured one from the runs'
+    own records, the predicted one from the simulation)."""
+    out, stdout, _ = compare_run
+    data = json.loads((out / "summary.json").read_text())
+    preds = {p["config"]: p for p in data["predictions"] if p["workload"] == "interference"}
+    assert set(preds) == {"chunked-384", "chunked-96"}, data.get("prediction_notes")
+    assert "predicted vs measured, from the prefill-first run" in stdout
+    runs = {c["name"]: c["workloads"]["interference"]["summary"] for c in data["configs"]}
+    for name, p in preds.items():
+        assert p["flags"] == f"--policy chunked --max-num-batched-tokens {name.split('-')[1]}"
+        itl = p["figures"]["itl_p99_s"]
+        assert itl["predicted_change"] < 0 and itl["measured_change"] < 0, (name, itl)
+        # the measured side is the configuration's own run, the baseline the prefill-first run's
+        assert itl["measured"] == pytest.approx(runs[name]["itl_p99_s"], rel=1e-6)
+        assert itl["baseline"] == pytest.approx(runs["prefill-first"]["itl_p99_s"], rel=1e-6)
+        print(f"{name}: ITL p99 predicted {itl['predicted_change']:+.0%}, measured {itl['measured_change']:+.0%}")
+
+
 # -- the browser ------------------------------------------------------------------------------------------------
 def ensure_chromium() -> str:
     for name in ("chromium", "chromium-browser"):

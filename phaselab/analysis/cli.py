@@ -86,9 +86,10 @@ def _verify(diag: Any, ns: argparse.Namespace) -> int:
     if not ns.no_write:
         out = Path(ns.out or ns.run_dir) / "verify.json"
         out.write_text(json.dumps({"cause": top.cause, "flags": top.prediction.change.flags,
-                                   "rows": [dict(zip(("figure", "before", "after", "predicted_change",
-                                                      "measured_change"), r)) for r in v.rows()],
-                                   "notes": v.notes}, indent=2) + "\n", encoding="utf-8")
+                                   "rows": [{**dict(zip(("figure", "before", "after", "predicted_change",
+                                                         "measured_change"), r)), "spread": v.spread(r[0])}
+                                            for r in v.rows()],
+                                   "runs": v.runs, "notes": v.notes}, indent=2) + "\n", encoding="utf-8")
     return 0
 
 

@@ -171,6 +171,8 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
                          f"{t.key.text()}): {t.verdict}."))
             doc.add(Bullets([f"change: {t.change}", f"worked if: {t.check}",
                              f"full diagnosis: [{r.runs[w].name}/diagnosis.html]({r.runs[w].name}/diagnosis.html)"]))
+        if w == "interference":
+            _prediction_blocks(doc, result)
         if w == "interference" and with_timelines:
             _timeline_blocks(doc, timelines, png_b64)
     doc.add(Heading("How to read this", anchor="help"))
@@ -183,6 +185,40 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
         "Each configuration's run directory holds its diagnosis (diagnosis.html) and trace.json (ui.perfetto.dev).",
     ]))
     return doc
+
+
+def predictions(result: CompareResult) -> tuple[list[Any], list[str]]:
+    """compare_predict's rows, computed once per result (the report renders several documents)."""
+    if result.predictions is None:
+        from phaselab.analysis.compare_predict import compare_predictions
+
+        result.predictions = compare_predictions(result)
+    return result.predictions  # type: ignore[no-any-return]
+
+
+def _prediction_blocks(doc: Doc, result: CompareResult) -> None:
+    from phaselab.analysis.advice import LABEL
+    from phaselab.analysis.predict import FIGURES
+
+    rows, notes = predictions(result)
+    if not rows and not notes:
+        return
+    doc.add(Heading("interference: predicted vs measured, from the prefill-first run", level=3,
+                    anchor="predicted-vs-measured"))
+    pct = (lambda v: f"{v:+.0%}" if v is not None else "—")
+    table = []
+    for r in rows:
+        for n in FIGURES:
+            table.append([r.label, LABEL[n], pct(r.prediction.relative(n)), pct(r.measured_relative(n))])
+    if rows:
+        err = rows[0].prediction.cost_model_error
+        doc.add(Table(["configuration", "figure", "predicted", "measured"], table, align_left=2, caption=(
+            "Change against prefill-first: predicted by simulating the prefill-first run's workload with the "
+            "configuration's policy and budget (the engine's scheduler, a cost model calibrated on that run"
+            + (f", mean iteration error {err:.0%}" if err is not None else "") + "); measured: the configuration's "
+            "own run. Each side is one run on a shared machine: differences within the machine's drift are noise.")))
+    for n in notes:
+        doc.add(Para(f"no prediction: {n}", "note"))
 
 
 def _timeline_blocks(doc: Doc, timelines: list[dict[str, Any]] | None, png_b64: str | None) -> None:
@@ -211,6 +247,9 @@ def summary_json(result: CompareResult) -> dict[str, Any]:
                                                    "change": d.top.change, "check": d.top.check},
             }
         out["configs"].append(entry)
+    rows, notes = predictions(result)
+    out["predictions"] = [r.to_json() for r in rows]
+    out["prediction_notes"] = notes
     return out
 
 

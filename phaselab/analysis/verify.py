@@ -4,15 +4,21 @@ prediction next to what happened.
 The workload is what the run directory records: each request's arrival offset, prompt length and
 output length (greedy, ignore_eos, so the same number of tokens). Prompt token ids are not
 recorded, so the rerun draws random ones of the same lengths (a run that relied on the prefix
-cache is not reproduced, and the report says so). The run is repeated twice on this machine, as
-recorded ("before") and with the change ("after"): the measured change is after / before of the
-same day's machine, set against the predicted change.
+cache is not reproduced, and the report says so). The run is repeated on this machine as recorded
+("before") and with the change ("after"), in alternating rounds (before, after, after, before for
+two rounds), so a drift of the machine's load during the reruns moves both sides alike; each side's
+figure is the mean of its runs, and the measured change (after / before) is set against the
+predicted one. The spread between a side's own runs is reported: it is the measurement's noise.
+
+Why not compare with the recorded run itself: on a shared machine the same workload rerun minutes
+later measured 70% slower (queue scenario, TTFT p50 2.4 s recorded, 4.0 s rerun), more than most
+changes' effect; only reruns side by side measure the change rather than the machine's drift.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,9 +31,20 @@ from phaselab.analysis.predict import FIGURES, Prediction, figures
 @dataclass
 class Verification:
     prediction: Prediction
-    before: dict[str, float | None]  # rerun as recorded
-    after: dict[str, float | None]  # rerun with the change
+    before: dict[str, float | None]  # rerun as recorded (mean of its runs)
+    after: dict[str, float | None]  # rerun with the change (mean of its runs)
     notes: list[str]
+    runs: dict[str, list[dict[str, float | None]]] = field(default_factory=dict)  # side -> each run's figures
+
+    def spread(self, name: str) -> float | None:
+        """The largest relative difference between two runs of the same side: the rerun's noise."""
+        out = None
+        for side in self.runs.values():
+            vals = [v for r in side if (v := r.get(name)) is not None]
+            if len(vals) >= 2 and min(vals) > 0:
+                d = (max(vals) - min(vals)) / min(vals)
+                out = d if out is None else max(out, d)
+        return out
 
     def measured_relative(self, name: str) -> float | None:
         b, a = self.before.get(name), self.after.get(name)
@@ -43,7 +60,9 @@ class Verification:
         for n, b, a, pr, me in self.rows():
             val = (lambda v: f"{v:.1f}" if v is not None else "—") if n == "output_tokens_per_s" else fmt.s
             pct = (lambda v: f"{v:+.0%}" if v is not None else "—")
-            out.append(f"  {LABEL[n]:<16} {val(b):>10} {val(a):>10} {pct(pr):>10} {pct(me):>10}")
+            noise = self.spread(n)
+            out.append(f"  {LABEL[n]:<16} {val(b):>10} {val(a):>10} {pct(pr):>10} {pct(me):>10}"
+                       + (f"   (runs of one side differ by up to {noise:.0%})" if noise is not None else ""))
         out += [f"  note: {x}" for x in self.notes]
         return "\n".join(out) + "\n"
 
@@ -80,11 +99,25 @@ def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any],
     return figures(list(engine.finished_requests))
 
 
-def verify(path: str, prediction: Prediction) -> Verification:
+def _mean(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for n in FIGURES:
+        vals = [v for r in runs if (v := r.get(n)) is not None]
+        out[n] = sum(vals) / len(vals) if vals else None
+    return out
+
+
+def verify(path: str, prediction: Prediction, rounds: int = 2) -> Verification:
+    """Rerun the recorded workload as recorded and with the change, `rounds` times each, in the order
+    before, after, after, before, ... (module docstring)."""
     from phaselab.obs.rundir import read_run_dir
 
     data = read_run_dir(path)
     arrivals, notes = workload(data)
-    before = _run(data.config, {}, arrivals, "as recorded")
-    after = _run(data.config, prediction.change.engine_args, arrivals, f"with {prediction.change.flags}")
-    return Verification(prediction, before, after, notes)
+    runs: dict[str, list[dict[str, float | None]]] = {"before": [], "after": []}
+    for k in range(rounds):
+        for side in (("before", "after") if k % 2 == 0 else ("after", "before")):
+            overrides = {} if side == "before" else prediction.change.engine_args
+            what = "as recorded" if side == "before" else f"with {prediction.change.flags}"
+            runs[side].append(_run(data.config, overrides, arrivals, f"[{k + 1}/{rounds}] {what}"))
+    return Verification(prediction, _mean(runs["before"]), _mean(runs["after"]), notes, runs)

@@ -202,6 +202,7 @@ class CompareResult:
     notes: list[str]
     files: dict[str, Path] = field(default_factory=dict)
     wall_s: float = 0.0
+    predictions: Any = None  # analysis.compare_predict's (rows, notes), computed once by the report
 
 
 def _engine_args(plan: Plan, cfg: RunConfig) -> Any:

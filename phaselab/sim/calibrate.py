@@ -46,7 +46,7 @@ from phaselab.sim.cost import CostParams, default_params
 from phaselab.sim.host import host_mismatch, run_hardware
 from phaselab.spec.config import ModelConfig
 
-COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "a_att_d", "m_kv")
+COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "a_att_d", "m_kv", "o_wide")
 EFFICIENCY_COLUMNS = ("a_lin", "m_mem", "a_att", "a_att_d", "m_kv")  # 1 / an efficiency
 PARAM_OF = {"a_lin": "compute_efficiency", "m_mem": "memory_efficiency", "a_att": "attention_efficiency",
             "a_att_d": "decode_attention_efficiency", "m_kv": "kv_memory_efficiency"}
@@ -123,8 +123,8 @@ def iteration_cycles(iterations: list[IterationRecord]) -> list[int]:
     return cycles
 
 
-def _features(iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec, dtype_bytes: int
-              ) -> dict[str, np.ndarray]:
+def _features(iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec, dtype_bytes: int,
+              wide_rows: int = 0) -> dict[str, np.ndarray]:
     """Per iteration: the raw quantities each column of the linear model multiplies (the attention
     of prefill chunks and of decodes apart, from the recorded chunks: they run different kernels)."""
     formulas = CostFormulas(model, dtype_bytes)
@@ -153,7 +153,9 @@ def _features(iterations: list[IterationRecord], model: ModelConfig, hw: Hardwar
         f["att_m"].append(kv_per_token * kv_p / hw.mem_bandwidth)
         f["att_c_d"].append(flops_per_key * keys_d / hw.peak_flops)
         f["att_m_d"].append(kv_per_token * kv_d / hw.mem_bandwidth)
-    return {k: np.asarray(v, dtype=float) for k, v in f.items()}
+    out = {k: np.asarray(v, dtype=float) for k, v in f.items()}
+    out["wide"] = (out["T"] > wide_rows).astype(float) if wide_rows else np.zeros_like(out["T"])
+    return out
 
 
 Branches = tuple[np.ndarray, np.ndarray, np.ndarray]  # per iteration: linear, chunk attention, decode attention
@@ -161,15 +163,15 @@ Branches = tuple[np.ndarray, np.ndarray, np.ndarray]  # per iteration: linear, c
 
 
 def _parts(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, ...]:
-    o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv = x
+    o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv, o_wide = x
     return (f["lin_c"] * (a + c / np.maximum(f["T"], 1)), f["lin_m"] * m, f["att_c"] * a_att, f["att_m"] * m_kv,
             f["att_c_d"] * a_att_d, f["att_m_d"] * m_kv)
 
 
 def _predict(x: np.ndarray, f: dict[str, np.ndarray]) -> tuple[np.ndarray, Branches]:
     lin_c, lin_m, att_c, att_m, dec_c, dec_m = _parts(x, f)
-    pred = x[0] + x[1] * f["n"] + x[2] * f["nc"] + np.maximum(lin_c, lin_m) + np.maximum(att_c, att_m) \
-        + np.maximum(dec_c, dec_m)
+    pred = x[0] + x[1] * f["n"] + x[2] * f["nc"] + x[9] * f["wide"] + np.maximum(lin_c, lin_m) \
+        + np.maximum(att_c, att_m) + np.maximum(dec_c, dec_m)
     return pred, (lin_c >= lin_m, att_c >= att_m, dec_c >= dec_m)
 
 
@@ -180,7 +182,7 @@ def _design(f: dict[str, np.ndarray], b: Branches) -> np.ndarray:
         np.ones_like(T), f["n"], f["nc"],
         np.where(lin, f["lin_c"], 0.0), np.where(lin, f["lin_c"] / T, 0.0), np.where(lin, 0.0, f["lin_m"]),
         np.where(att, f["att_c"], 0.0), np.where(dec, f["att_c_d"], 0.0),
-        np.where(att, 0.0, f["att_m"]) + np.where(dec, 0.0, f["att_m_d"]),
+        np.where(att, 0.0, f["att_m"]) + np.where(dec, 0.0, f["att_m_d"]), f["wide"],
     ])
 
 
@@ -188,7 +190,7 @@ def _to_x(p: CostParams, num_layers: int) -> np.ndarray:
     return np.array([p.iteration_overhead_s + num_layers * p.layer_overhead_s, p.request_overhead_s,
                      p.chunk_overhead_s, 1 / p.compute_efficiency, p.rows_half / p.compute_efficiency,
                      1 / p.memory_efficiency, 1 / p.attention_efficiency, 1 / p.decode_attention,
-                     1 / p.kv_efficiency])
+                     1 / p.kv_efficiency, p.wide_overhead_s if p.wide_rows else 0.0])
 
 
 def _unbind(x: np.ndarray, f: dict[str, np.ndarray], fallback: np.ndarray, pinned: dict[str, float]
@@ -239,18 +241,28 @@ def _alternate(f: dict[str, np.ndarray], y: np.ndarray, scale: np.ndarray, pinne
 
 def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model: ModelConfig, hw: HardwareSpec,
                dtype_bytes: int, label: str, start: CostParams | None = None, max_rounds: int = 30,
-               weighting: str = "sqrt", fixed: dict[str, float] | None = None) -> Fit:
+               weighting: str = "sqrt", fixed: dict[str, float] | None = None, wide_rows: int = 0) -> Fit:
     """Fit CostParams to (iteration, measured time) pairs (module docstring).
 
     weighting: "sqrt" (default: each iteration's error / sqrt of its time), "relative" (/ its time:
     short decode steps count as much as long prefills, but the fit then underestimates the total:
     -21% on a run of this CPU) or "absolute" (seconds: long iterations dominate). `fixed` pins
     coefficients of COLUMNS (e.g. {"m_mem": 1.0}: the measured bandwidth is what streaming reaches).
+    wide_rows: the engine's max_native_rows (0: none); iterations of more rows get one o_wide each, the
+    weights widened for torch's GEMM once per iteration whatever its chunks. A run whose wide
+    iterations all carry the same number of prefill chunks cannot tell o_chunk from o_wide: o_chunk is
+    then pinned at 0 (the widening is the per-iteration cost this engine has; a chunk's own attention
+    call is in the attention term), so two chunks batched in one iteration are not priced twice.
     """
     assert len(iterations) == len(measured_ns) and iterations, "nothing to fit"
     assert weighting in ("relative", "sqrt", "absolute"), weighting
     pinned = dict(fixed or {})
-    f = _features(iterations, model, hw, dtype_bytes)
+    f = _features(iterations, model, hw, dtype_bytes, wide_rows)
+    chunk_pinned = False
+    if wide_rows and "o_chunk" not in pinned:
+        wide = f["wide"] > 0
+        if wide.any() and len(set(f["nc"][wide].tolist())) <= 1 and not (f["nc"][~wide] > 0).any():
+            pinned["o_chunk"], chunk_pinned = 0.0, True
     y = np.asarray(measured_ns, dtype=float) / 1e9
     scale = {"relative": y, "sqrt": np.sqrt(y * y.mean()), "absolute": np.full_like(y, y.mean())}[weighting]
     start = start or default_params(hw)
@@ -291,8 +303,9 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
         restart = np.where([c in pinned for c in COLUMNS], [pinned.get(c, 0.0) for c in COLUMNS], x)
         _, x = _alternate(f, y, scale, pinned, [_predict(restart, f)[1]] + starts, max_rounds)
     unbound -= set(capped)
-    kept_at_start = {name for name in pinned if name not in (fixed or {}) and name not in capped}
-    o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv = (float(v) for v in x)
+    kept_at_start = {name for name in pinned if name not in (fixed or {}) and name not in capped
+                     and name in EFFICIENCY_COLUMNS}
+    o_iter, o_req, o_chunk, a, c, m, a_att, a_att_d, m_kv, o_wide = (float(v) for v in x)
     note = f"fitted on run {label} ({len(y)} iterations)"
 
     def eff(column: str, inv: float) -> tuple[float, str]:
@@ -320,7 +333,8 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
         compute_efficiency=e_max, rows_half=rows_half, attention_efficiency=e_att,
         decode_attention_efficiency=e_att_d, memory_efficiency=e_mem,
         kv_memory_efficiency=e_kv, iteration_overhead_s=o_iter, layer_overhead_s=0.0, request_overhead_s=o_req,
-        chunk_overhead_s=o_chunk, token_overhead_s=0.0, allreduce_latency_s=start.allreduce_latency_s,
+        chunk_overhead_s=o_chunk, token_overhead_s=0.0, wide_rows=wide_rows, wide_overhead_s=o_wide,
+        allreduce_latency_s=start.allreduce_latency_s,
         allreduce_efficiency=start.allreduce_efficiency,
         # the fit's own shape: one efficiency per class, no curve in q, k or context, no elementwise term
         attention_q_half=0.0, attention_k_half=0.0, kv_context_half=0.0, elementwise_efficiency=None,
@@ -332,7 +346,13 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
                  "kv_memory_efficiency": s_kv,
                  "iteration_overhead_s": note + "; per-layer overheads folded in",
                  "layer_overhead_s": f"folded into iteration_overhead_s (one model in run {label})",
-                 "request_overhead_s": note, "chunk_overhead_s": note,
+                 "request_overhead_s": note,
+                 "chunk_overhead_s": (f"fitted on run {label}: pinned at 0, every wide iteration had the same "
+                                      "number of prefill chunks (not separable from wide_overhead_s)")
+                 if chunk_pinned else note,
+                 "wide_rows": f"the run's linear.max_native_rows (config.json), run {label}" if wide_rows else
+                 "no switch of GEMM path recorded in the run (torch path or an older run)",
+                 "wide_overhead_s": note if wide_rows else "not fitted: no wide_rows",
                  "token_overhead_s": "not fitted: per-token time is the roofline's (it would absorb GEMM compute)",
                  "allreduce_latency_s": start.source("allreduce_latency_s")})
     # the error of what the simulator will predict with these parameters
@@ -344,7 +364,7 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
 def predict_iterations(params: CostParams, iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec,
                        dtype_bytes: int) -> np.ndarray:
     """Seconds the cost model predicts for each recorded iteration, from its modeled counts."""
-    f = _features(iterations, model, hw, dtype_bytes)
+    f = _features(iterations, model, hw, dtype_bytes, params.wide_rows)
     pred, _ = _predict(_to_x(params, model.num_hidden_layers), f)
     return pred
 
@@ -355,6 +375,15 @@ def run_model(config: dict[str, Any]) -> tuple[ModelConfig, int]:
     model = replace(model, name=model.name or model.architecture, sources={"*": "the run's ModelConfig (config.json)"})
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(config.get("dtype")), 2)
     return model, dtype_bytes
+
+
+def run_wide_rows(config: dict[str, Any]) -> int:
+    """Rows above which the run's engine widened its weights for torch's GEMM (config.json's `linear`);
+    0 when it did not record one or ran every layer through torch."""
+    lin = config.get("linear") or {}
+    if not isinstance(lin, dict) or lin.get("path") in (None, "torch"):
+        return 0
+    return int(lin.get("max_native_rows") or 0)
 
 
 def calibrate(path: str | PathLike[str], hardware: str | HardwareSpec | None = None, weighting: str = "sqrt"
@@ -371,7 +400,8 @@ def calibrate(path: str | PathLike[str], hardware: str | HardwareSpec | None = N
     iters = sorted(data.iterations, key=lambda r: r.start_ns)
     if not iters:
         raise ValueError(f"{path} has no iterations to fit")
-    fit = fit_params(iters, iteration_cycles(iters), model, hw, dtype_bytes, str(path), weighting=weighting)
+    fit = fit_params(iters, iteration_cycles(iters), model, hw, dtype_bytes, str(path), weighting=weighting,
+                     wide_rows=run_wide_rows(data.config))
     fit.notes = host_mismatch(data.config, hw)
     for note in fit.notes:
         warnings.warn(note, stacklevel=2)

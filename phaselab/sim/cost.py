@@ -87,6 +87,13 @@ class CostParams:
         "help": "time per prefill chunk on top of request_overhead_s (each chunk's own attention call in every "
                 "layer, where decodes share one batched call)"})
     token_overhead_s: float = field(default=0.0, metadata={"help": "time per computed token not in the roofline"})
+    wide_rows: int = field(default=0, metadata={
+        "help": "rows (tokens) above which an iteration pays wide_overhead_s (0: none). This CPU's engine runs up "
+                "to max_native_rows rows on its quantized-native kernel and more on weights widened into a tile "
+                "for torch's GEMM, once per iteration (config.json's linear.max_native_rows)"})
+    wide_overhead_s: float = field(default=0.0, metadata={
+        "help": "time an iteration of more than wide_rows rows adds once (widening the weights), whatever its "
+                "number of chunks"})
     allreduce_latency_s: float = field(default=1.1e-5, metadata={
         "help": "fixed time of one tensor-parallel all-reduce (NCCL and link latency)"})
     allreduce_efficiency: float = field(default=1.0, metadata={
@@ -102,7 +109,7 @@ class CostParams:
                 _check_efficiency(name, value)
         for name in ("rows_half", "attention_q_half", "attention_k_half", "kv_context_half", "iteration_overhead_s",
                      "layer_overhead_s", "request_overhead_s", "chunk_overhead_s", "token_overhead_s",
-                     "allreduce_latency_s"):
+                     "allreduce_latency_s", "wide_rows", "wide_overhead_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)} must be >= 0")
 
@@ -130,6 +137,8 @@ class CostParams:
             return "assumed: a paged decode kernel needs ~100s of keys in flight per sequence; not fitted"
         if name == "elementwise_efficiency" and self.elementwise_efficiency is None:
             return "default: no term of its own (folded into the others)"
+        if name in ("wide_rows", "wide_overhead_s") and not self.wide_rows:
+            return "default: 0, no switch of GEMM path by rows (a GPU engine's GEMMs have none), not fitted"
         if name == "chunk_overhead_s" and self.chunk_overhead_s == 0:
             return "default: 0, a chunk costs what any scheduled request does (request_overhead_s), not fitted"
         return "default: a typical value for GPU serving engines, not fitted"
@@ -290,7 +299,7 @@ class RooflineCostModel:
         att_p, att_d = max(att_c_p, att_m_p), max(att_c_d, att_m_d)
         elementwise = self._elementwise_bytes_per_token * t / self._bw_elementwise
         overhead = self._fixed + c.num_entries * p.request_overhead_s + c.num_chunks * p.chunk_overhead_s \
-            + t * p.token_overhead_s
+            + t * p.token_overhead_s + (p.wide_overhead_s if p.wide_rows and t > p.wide_rows else 0.0)
         allreduce = self._ar_fixed + self._ar_per_token * t if tp > 1 else 0.0
         linear, attention = max(lin_compute, lin_memory), att_p + att_d
         att_bound = (att_c_p >= att_m_p) if att_p >= att_d else (att_c_d >= att_m_d)  # of the larger part
