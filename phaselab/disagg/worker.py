@@ -247,7 +247,8 @@ class DisaggWorker:
             attempts, cancelled = len(self._attempts), len(self._cancelled)
         return {"progress": len(self._progress), "attempts": attempts, "leases": len(self._leases),
                 "staged": len(self._staged), "cancelled": cancelled, "engine_tracked": len(eng._tracked),
-                "scheduler_requests": len(eng.scheduler.requests), "kv_tables": len(eng.scheduler.kv_cache_manager.req_to_blocks),
+                "scheduler_requests": len(eng.scheduler.requests),
+                "kv_tables": len(eng.scheduler.kv_cache_manager.req_to_blocks),
                 "sampler_generators": eng.executor.sampler.num_generators,  # type: ignore[attr-defined]
                 **{f"recorder_{k}": v for k, v in eng.recorder.stats().items()}}
 
