@@ -223,7 +223,8 @@ def soak_mode(mode: str, ns: argparse.Namespace) -> dict[str, Any]:
                 except httpx.HTTPError:
                     continue
                 samples.append({"t_s": round(time.monotonic() - t0, 1), "requests": sum(live.values()), **r})
-                big = {k: v for k, v in r["rss_mib_by_process"].items() if v - baseline["rss_mib_by_process"].get(k, 0) > 2}
+                big = {k: v for k, v in r["rss_mib_by_process"].items()
+                       if v - baseline["rss_mib_by_process"].get(k, 0) > 2}
                 print(f"  [{mode}] RSS {r['rss_mib']:.0f} MiB (baseline {baseline['rss_mib']:.0f}), grown: {big}",
                       file=sys.stderr, flush=True)
 
@@ -268,7 +269,8 @@ def soak_mode(mode: str, ns: argparse.Namespace) -> dict[str, Any]:
            "samples": samples,
            "checks": checks, "ok": all(checks.values()),
            "tracebacks_in_log": log.count("Traceback")}
-    print(f"[{mode}] {json.dumps({k: row[k] for k in ('requests', 'rss_growth_mib', 'rss_growth_second_half_mib', 'checks')})}",
+    keys = ("requests", "rss_growth_mib", "rss_growth_second_half_mib", "checks")
+    print(f"[{mode}] {json.dumps({k: row[k] for k in keys})}",
           file=sys.stderr, flush=True)
     return row
 
