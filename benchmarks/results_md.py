@@ -304,6 +304,10 @@ def soak_section(soak: dict | None) -> list[str]:
             top = sorted(anon.items(), key=lambda kv: -abs(kv[1]))[:4]
             lines.append(f"\n{r['mode']}: private memory (RssAnon) after vs baseline, largest changes: "
                          + ", ".join(f"{k} {v:+.1f} MiB" for k, v in top) + ".")
+        shm = {k: v for k, v in r.get("shmem_growth_mib_by_process", {}).items() if abs(v) >= 0.5}
+        if shm:
+            lines[-1] += (" Shared (RssShmem: pages of Ray's object store the process touched, bounded by the "
+                          "store's size): " + ", ".join(f"{k} {v:+.1f} MiB" for k, v in shm.items()) + ".")
     return lines + [""]
 
 
