@@ -283,14 +283,31 @@ def soak_section(soak: dict | None) -> list[str]:
         return lines + ["Run `python benchmarks/soak.py` (10 minutes per mode).", ""]
     lines += [f"{soak['config']['minutes']:g} minutes per mode, {soak['config']['concurrency']} clients, mixed valid "
               "(~60%), invalid (~20%, each must be a 400) and dropped streams (~20%); resources after a settling "
-              "pause against the baseline taken after warm-up.", "",
-              "| mode | requests | server errors | RSS baseline -> after (MiB) | KV blocks after | fds baseline -> after | ok |",
-              "|---|---|---|---|---|---|---|"]
+              "pause against the baseline taken after warm-up; RSS sampled every "
+              f"{soak['config'].get('sample_s', 30):g} s during the soak (growth from mid-soak to the end of the load "
+              "must stay within "
+              f"{soak['config'].get('plateau_tolerance', 0.02) * 100:g}% of the baseline: a warm-up plateaus, a leak "
+              "keeps growing).", "",
+              "| mode | requests | server errors | RSS baseline -> mid-soak -> after (MiB) | RSS growth, 2nd half | "
+              "KV blocks after | fds baseline -> after | ok |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in soak["modes"]:
         b, a = r["baseline"], r["after_settle"]
         errors = sum(v for k, v in r["counts"].items() if k.split("_")[-1].startswith("5") and "503" not in k)
-        lines.append(f"| {r['mode']} | {r['requests']} | {errors} | {fmt(b['rss_mib'], 0)} -> {fmt(a['rss_mib'], 0)} | "
-                     f"{a['kv_blocks_used']:g} | {b['fds']} -> {a['fds']} | {'yes' if r['ok'] else 'NO'} |")
+        mid = fmt(r["rss_mid_soak_mib"], 0) + " -> " if "rss_mid_soak_mib" in r else ""
+        half = f"{r['rss_growth_second_half_mib']:+.0f} MiB" if "rss_growth_second_half_mib" in r else "-"
+        lines.append(f"| {r['mode']} | {r['requests']} | {errors} | {fmt(b['rss_mib'], 0)} -> {mid}{fmt(a['rss_mib'], 0)} | "
+                     f"{half} | {a['kv_blocks_used']:g} | {b['fds']} -> {a['fds']} | {'yes' if r['ok'] else 'NO'} |")
+    for r in soak["modes"]:
+        anon = r.get("anon_growth_mib_by_process")
+        if anon:
+            top = sorted(anon.items(), key=lambda kv: -abs(kv[1]))[:4]
+            lines.append(f"\n{r['mode']}: private memory (RssAnon) after vs baseline, largest changes: "
+                         + ", ".join(f"{k} {v:+.1f} MiB" for k, v in top) + ".")
+        shm = {k: v for k, v in r.get("shmem_growth_mib_by_process", {}).items() if abs(v) >= 0.5}
+        if shm:
+            lines[-1] += (" Shared (RssShmem: pages of Ray's object store the process touched, bounded by the "
+                          "store's size): " + ", ".join(f"{k} {v:+.1f} MiB" for k, v in shm.items()) + ".")
     return lines + [""]
 
 

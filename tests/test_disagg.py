@@ -181,6 +181,86 @@ def test_in_process_workers_move_kv_and_record_backpressure(tmp_path):
     assert [o.token_ids for o in outs] == [tokens["r0"], tokens["r1"]]
 
 
+def test_in_process_workers_forget_every_request(tmp_path):
+    """A worker holds per-request state only while the request is on it: after finished, sampled,
+    one-token, aborted-in-prefill, aborted-mid-decode and aborted-before-transfer requests, neither
+    worker holds an entry of any (its own counts, and the objects gc finds on the heap). A server
+    soak grew one entry per dropped stream in the decode worker's attempt map before."""
+    import dataclasses
+    import gc
+
+    from phaselab.config import EngineArgs
+    from phaselab.disagg import DisaggConfig
+    from phaselab.disagg.protocol import FailureEvent, RequestSpec, TokenEvent, TransferSpec
+    from phaselab.disagg.worker import DisaggWorker, _Lease, _Progress, _Staged
+    from tests._loader_helpers import random_weights, tiny_hf_config, write_hf_dir
+
+    config = tiny_hf_config()
+    path = write_hf_dir(str(tmp_path / "tiny"), config, random_weights(config))
+    args = EngineArgs(model=path, dtype="float32", kv_cache_memory="256KiB", kv_transport="inline", num_threads=1)
+    cfg = DisaggConfig(poll_interval_s=0.01)
+    prefill = DisaggWorker("prefill-0", "prefill", args, cfg)
+    decode = DisaggWorker("decode-0", "decode", args, cfg)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plans = {  # request -> (params, what the "router" does to it)
+        "done-greedy": (greedy, None), "done-sampled": (SamplingParams(temperature=0.8, seed=3, max_tokens=8,
+                                                                       ignore_eos=True), None),
+        "one-token": (dataclasses.replace(greedy, max_tokens=1), None),
+        "abort-prefill": (greedy, "prefill"), "abort-decode": (SamplingParams(temperature=0.8, max_tokens=200,
+                                                                              ignore_eos=True), "decode"),
+        "abort-transfer": (greedy, "transfer"),
+    }
+    prompts = {rid: list(range(10 + 3 * i, 30 + 3 * i)) for i, rid in enumerate(plans)}
+    tokens: dict[str, list[int]] = {rid: [] for rid in plans}
+    done: set[str] = set()
+
+    def run(rids: list[str]) -> None:
+        for rid in rids:
+            prefill.add_request(RequestSpec(rid, prompts[rid], plans[rid][0], time.monotonic_ns()))
+            if plans[rid][1] == "prefill":
+                prefill.abort([rid], 0)  # queued behind its add: aborted before it parks
+                done.add(rid)
+        deadline = time.monotonic() + 60
+        while not done.issuperset(rids):
+            assert time.monotonic() < deadline, (done, tokens)
+            for worker in (prefill, decode):
+                for ev in worker.poll(0.01).events:
+                    assert not isinstance(ev, FailureEvent), ev
+                    if not isinstance(ev, TokenEvent) or ev.request_id in done:
+                        continue
+                    rid = ev.request_id
+                    tokens[rid] += ev.new_token_ids
+                    if ev.kv is not None:
+                        decode.admit(TransferSpec(rid, prompts[rid], list(tokens[rid]), plans[rid][0], ev.kv,
+                                                  time.monotonic_ns(), sampler_state=ev.sampler_state))
+                        if plans[rid][1] == "transfer":  # the router's abort: the decode side and the lease
+                            decode.abort([rid], 0)
+                            prefill.release_kv(rid, "aborted", 0)
+                            done.add(rid)
+                    elif ev.finish_reason is not None:
+                        done.add(rid)
+                    elif plans[rid][1] == "decode" and ev.worker == "decode-0":  # a dropped stream
+                        decode.abort([rid], 0)
+                        done.add(rid)
+
+    run(list(plans))
+    assert len(tokens["done-greedy"]) == len(tokens["done-sampled"]) == 8 and len(tokens["one-token"]) == 1
+    # one more greedy request through both: the engines free a finished request's executor state
+    # (its random generator) at their next step
+    plans["flush"], prompts["flush"], tokens["flush"] = (greedy, None), list(range(5, 25)), []
+    run(["flush"])
+    deadline = time.monotonic() + 30
+    while any(prefill.held().values()) or any(decode.held().values()):  # aborts land at the loops' next turn
+        assert time.monotonic() < deadline, (prefill.held(), decode.held())
+        time.sleep(0.02)
+    gc.collect()
+    assert [o for o in gc.get_objects() if isinstance(o, (_Progress, _Lease, _Staged))] == []
+    for w in (prefill, decode):
+        assert w.stats().num_blocks_used == 0
+        w.check_invariants()
+        w.shutdown()
+
+
 def test_routing_policies_are_pure_and_deterministic():
     loads = [WorkerLoad("p0", "prefill", 2, 900), WorkerLoad("p1", "prefill", 3, 100), WorkerLoad("p2", "prefill")]
     assert LeastOutstandingWork().pick(loads, 50) == "p2"

@@ -57,9 +57,15 @@ def start_workers(args: EngineArgs, config: DisaggConfig, ckpt_ref: Any, prefill
         wargs = dataclasses.replace(args, mode="colocated", num_threads=n, **(overrides or {}))
         for i in range(count):
             name = f"{role}-{i}"
+            # enable_task_events=False: Ray's GCS otherwise keeps an event record of every call to the
+            # actor (up to task_events_max_num_task_in_gcs, 100,000 by default): with a poll every
+            # poll_interval_s per worker and a few calls per request, the GCS grew ~16 MiB a minute
+            # (+216 MiB in a 10-minute benchmarks/soak.py run). These calls are the serving loop's
+            # plumbing, not tasks anyone inspects; an option of our actors, not of the cluster.
             actor = remote_cls.options(
                 num_cpus=config.worker_num_cpus, max_concurrency=16, max_restarts=0,
-                resources=dict(resources) or None, runtime_env={"env_vars": worker_env(n)},
+                resources=dict(resources) or None, runtime_env={"env_vars": worker_env(n, name)},
+                enable_task_events=False,
             ).remote(name, role, wargs, config, ckpt_ref)
             workers[name] = WorkerHandle(name, role, actor)
     return workers

@@ -12,15 +12,17 @@ from typing import Any
 from phaselab.disagg.protocol import WorkerInfo, WorkerStats
 
 
-def worker_env(num_threads: int) -> dict[str, str]:
-    """Environment of a worker process, fixed before torch loads."""
+def worker_env(num_threads: int, name: str = "") -> dict[str, str]:
+    """Environment of a worker process, fixed before torch loads. PHASELAB_WORKER names the worker
+    (`prefill-0`): Ray's process title shows only the class and the running method, so this is how
+    `ps e`, /proc/PID/environ and benchmarks/soak.py tell one worker process from another."""
     import phaselab
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(phaselab.__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     n = str(num_threads)
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": "PASSIVE",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path}
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, "PHASELAB_WORKER": name}
 
 
 def checkpoint_to_wire(ckpt: Any) -> dict[str, Any]:

@@ -493,8 +493,8 @@ class DisaggEngine:
         r.finish_reason, r.error, r.phase, r.dirty = "error", message, "finished", True
 
     def _finish(self, r: _Request, reason: str, stop_reason: int | str | None) -> None:
+        r.finish_reason, r.stop_reason, r.phase = reason, stop_reason, "finished"  # its worker ended it: no abort
         self._release(r)
-        r.finish_reason, r.stop_reason, r.phase = reason, stop_reason, "finished"
 
     def _release(self, r: _Request) -> None:
         """Leave no state on any worker: free a lease, abort where it runs, drop its loads."""

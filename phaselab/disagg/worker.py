@@ -141,6 +141,7 @@ class DisaggWorker:
         self._staged_cv = threading.Condition()
         self._staged_bytes = 0
         self._cancelled: set[tuple[str, int]] = set()  # (request, attempt) aborted on this decode worker
+        self._in_transfer: set[tuple[str, int]] = set()  # admitted, not yet in the engine nor dropped
         self._prom = WorkerPrometheus(name, role)
         self._loop_thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._loop_thread.start()
@@ -166,6 +167,8 @@ class DisaggWorker:
     def admit(self, spec: TransferSpec) -> None:
         assert self.role == "decode"
         self._note_attempt(spec.request_id, spec.attempt)
+        with self._staged_cv:
+            self._in_transfer.add((spec.request_id, spec.attempt))
         self._transfer_q.put((spec, time.monotonic_ns()))
 
     def abort(self, request_ids: list[str], attempt: int) -> None:
@@ -173,9 +176,13 @@ class DisaggWorker:
         worker has seen is stale and ignored: Ray may deliver calls of a threaded actor out of order)."""
         if self.role == "decode":
             with self._staged_cv:
-                if len(self._cancelled) > 10_000:  # only entries still queued for transfer matter
-                    self._cancelled.clear()
-                self._cancelled.update((rid, attempt) for rid in request_ids)
+                # only a transfer still in the pipeline needs the mark (it is dropped there, and its
+                # mark with it); an abort that overtook its admit (Ray may reorder calls of a threaded
+                # actor) is marked too, and such marks are bounded
+                if len(self._cancelled) > 10_000:
+                    self._cancelled = {key for key in self._cancelled if key in self._in_transfer}
+                self._cancelled.update((rid, attempt) for rid in request_ids
+                                       if (rid, attempt) in self._in_transfer or self._attempts.get(rid, -1) < attempt)
                 self._staged_cv.notify_all()
         self._commands.put(lambda: self._abort(request_ids, attempt))
 
@@ -232,6 +239,19 @@ class DisaggWorker:
         self.engine.refresh_gauges()  # an idle worker runs no iteration that would refresh them
         return self.engine.metrics.render() + self._prom.render()
 
+    def held(self) -> dict[str, int]:
+        """Per-request state this worker still holds (a leak check: all 0 once every request it saw
+        finished, failed or was aborted, and the loop ran a step since; benchmarks/soak.py)."""
+        eng = self.engine
+        with self._staged_cv:
+            attempts, cancelled = len(self._attempts), len(self._cancelled)
+        return {"progress": len(self._progress), "attempts": attempts, "leases": len(self._leases),
+                "staged": len(self._staged), "cancelled": cancelled, "engine_tracked": len(eng._tracked),
+                "scheduler_requests": len(eng.scheduler.requests),
+                "kv_tables": len(eng.scheduler.kv_cache_manager.req_to_blocks),
+                "sampler_generators": eng.executor.sampler.num_generators,  # type: ignore[attr-defined]
+                **{f"recorder_{k}": v for k, v in eng.recorder.stats().items()}}
+
     def check_invariants(self) -> None:
         """Test helper: the scheduler's invariants, run on the loop thread between steps."""
         done = threading.Event()
@@ -267,6 +287,23 @@ class DisaggWorker:
     def _note_attempt(self, rid: str, attempt: int) -> None:
         with self._staged_cv:
             self._attempts[rid] = max(attempt, self._attempts.get(rid, attempt))
+
+    def _forget(self, rid: str, attempt: int) -> None:
+        """`attempt` of the request is over on this worker (finished, failed, aborted): forget it
+        unless a newer attempt arrived meanwhile (else one entry per request, forever)."""
+        with self._staged_cv:
+            if self._attempts.get(rid, attempt) <= attempt:
+                self._attempts.pop(rid, None)
+
+    def _leave_transfer(self, key: tuple[str, int]) -> None:
+        """Decode, under _staged_cv: a transfer left the pipeline (dropped, failed, or handed to the
+        engine); a cancelled one is over here."""
+        self._in_transfer.discard(key)
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            rid, attempt = key
+            if self._attempts.get(rid, attempt) <= attempt:
+                self._attempts.pop(rid, None)
 
     # -- the loop thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -323,6 +360,7 @@ class DisaggWorker:
                                     queued_ns=received_ns, prefill_only=True,
                                     output_token_ids=spec.output_token_ids)
         except InvalidRequestError as e:
+            self._forget(rid, spec.attempt)
             self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
             return
         self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
@@ -392,6 +430,7 @@ class DisaggWorker:
                        and key not in self._cancelled and not self._stop.is_set()):
                     self._staged_cv.wait(0.1)
                 if key in self._cancelled:
+                    self._leave_transfer(key)
                     continue
             start_ns = time.monotonic_ns()
             try:
@@ -400,9 +439,11 @@ class DisaggWorker:
                     time.sleep(self.fault_transfer_delay_s)
                 kv = self._transport(source.transport).fetch(source, cfg.transfer_timeout_s)
             except KVLayoutMismatchError as e:
+                self._drop_transfer(key)
                 self._emit(FailureEvent(rid, self.name, "engine_error", str(e), attempt=spec.attempt))
                 continue
             except KVUnavailableError as e:
+                self._drop_transfer(key)
                 self.counters["transfers_failed"] += 1
                 self._prom.transfer("failed")
                 self._emit(FailureEvent(rid, self.name, "kv_unavailable", str(e), kv_lost=True, attempt=spec.attempt))
@@ -415,10 +456,16 @@ class DisaggWorker:
             self._emit(TransferEvent(rid, self.name, queued_ns, start_ns, end_ns, source.num_bytes, spec.attempt))
             with self._staged_cv:
                 if key in self._cancelled:
+                    self._leave_transfer(key)
                     continue
                 self._staged.append(_Staged(spec, kv, queued_ns, start_ns, end_ns, source.num_bytes))
                 self._staged_bytes += source.num_bytes
             self._commands.put(lambda: None)  # wake the loop
+
+    def _drop_transfer(self, key: tuple[str, int]) -> None:
+        with self._staged_cv:
+            self._leave_transfer(key)
+        self._forget(*key)
 
     def _transport(self, name: str) -> Any:
         if name not in self._transports:
@@ -443,7 +490,7 @@ class DisaggWorker:
                     admitted = self.engine.add_prefilled_request(
                         rid, spec.prompt_token_ids, spec.output_token_ids, spec.params, st.kv, m)
                 except InvalidRequestError as e:
-                    self._unstage()
+                    self._unstage(failed=True)
                     self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
                     continue
                 now = time.monotonic_ns()
@@ -451,7 +498,7 @@ class DisaggWorker:
                     waited = (now - st.end_ns) / 1e9
                     if waited <= self.config.decode_admission_timeout_s:
                         return  # backpressure: wait for blocks; later ones wait behind it (FIFO)
-                    self._unstage()
+                    self._unstage(failed=True)
                     self.counters["admission_timeouts"] += 1
                     self._emit(FailureEvent(
                         rid, self.name, "admission_timeout",
@@ -479,11 +526,14 @@ class DisaggWorker:
         gen.set_state(torch.tensor(list(state), dtype=torch.uint8))
         sampler._generators[rid] = gen
 
-    def _unstage(self) -> None:
+    def _unstage(self, failed: bool = False) -> None:
         with self._staged_cv:
             st = self._staged.popleft()
             self._staged_bytes -= st.num_bytes
+            self._leave_transfer((st.spec.request_id, st.spec.attempt))
             self._staged_cv.notify_all()
+        if failed:
+            self._forget(st.spec.request_id, st.spec.attempt)
 
     # both --------------------------------------------------------------------------------------------------
     def _abort(self, request_ids: list[str], attempt: int) -> None:
@@ -495,9 +545,16 @@ class DisaggWorker:
             elif self.engine.tracked(rid) is not None:
                 self.engine.abort_request([rid])
             self._progress.pop(rid, None)
+            self._forget(rid, attempt)
         if self.role == "decode":
             with self._staged_cv:
-                keep = [st for st in self._staged if (st.spec.request_id, st.spec.attempt) not in self._cancelled]
+                keep = []
+                for st in self._staged:
+                    key = (st.spec.request_id, st.spec.attempt)
+                    if key in self._cancelled:
+                        self._leave_transfer(key)
+                    else:
+                        keep.append(st)
                 self._staged = deque(keep)
                 self._staged_bytes = sum(st.num_bytes for st in keep)
                 self._staged_cv.notify_all()
