@@ -332,6 +332,33 @@ def slo_section(r: dict | None) -> list[str]:
     return out
 
 
+# served runs on other machines than serve_vs_peers.json's, newest first: (file stem, how it was made)
+SERVED_OTHER_MACHINES = [
+    ("serve_vs_peers_epyc", "python benchmarks/serve_vs_peers.py --no-merge --out benchmarks/results/serve_vs_peers_epyc.json"),
+]
+
+
+def served_sections(results: str, served: str | None) -> list[str]:
+    """One section per machine, named by its CPU (the machines change between runs; see DESIGN.md 7)."""
+    out: list[str] = []
+    runs = []
+    for stem, cmd in SERVED_OTHER_MACHINES:
+        path = os.path.join(results, stem + ".md")
+        if os.path.exists(path):
+            runs.append((open(path).read(), cmd))
+    if served:
+        runs.append((served, "python benchmarks/serve_vs_peers.py"))
+    if not runs:
+        return ["Run `python benchmarks/serve_vs_peers.py`.", ""]
+    for md, cmd in runs:
+        first, _, rest = md.partition("\n")
+        date = first.rsplit("(", 1)[-1].rstrip(") ") if "(" in first else "?"
+        machine = next((ln for ln in rest.splitlines() if ln.startswith("Machine: ")), "Machine: ?")
+        cpu = machine.removeprefix("Machine: ").split(",")[0]
+        out += [f"### {cpu} ({date})", "", f"Command: `{cmd}`.", "", rest.strip(), ""]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -351,7 +378,7 @@ def main() -> None:
     else:
         lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
     lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
-    lines += [served.replace("### Served: ", "Run: "), ""] if served else ["Run `python benchmarks/serve_vs_peers.py`.", ""]
+    lines += served_sections(ns.results, served)
     lines += served_fp32_section(load(os.path.join(ns.results, "serve_vs_peers_phaselab_fp32.json")),
                                  load(os.path.join(ns.results, "serve_vs_peers.json")))
     lines += fidelity_section(fid)

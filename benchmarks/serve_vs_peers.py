@@ -69,6 +69,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -368,11 +369,12 @@ class PhaselabServer(Server):
         self.proc: subprocess.Popen[bytes] | None = None
         self.args = [sys.executable, "-m", "phaselab", "serve", "--host", "127.0.0.1", "--port", str(port),
                      "--dtype", dtype, "--num-threads", str(threads), "--omp-wait-policy", "PASSIVE",
-                     "--kv-cache-memory", kv_cache, "--log-level", "warning", *(extra_args or [])]
+                     "--kv-cache-memory", kv_cache, "--log-level", "info", *(extra_args or [])]
         self.log_path: str = os.path.join(run_dir, "phaselab-server.log")
         self.settings = {
             "command": " ".join(["phaselab", *self.args[3:]]),
-            "model": "bundled SmolLM2-135M-Instruct.Q4_1.gguf, dequantized",
+            "model": "bundled SmolLM2-135M-Instruct.Q4_1.gguf (linear weights as `engine_ready` says: "
+                     "--weights auto keeps the Q4_1 blocks for the native kernel)",
             "dtype": dtype, "threads": threads, "OMP_WAIT_POLICY": "PASSIVE", "kv_cache_memory": kv_cache,
             "policy": "chunked (default)", "max_num_batched_tokens": "2048 (default)",
             "max_num_seqs": "128 (default)", "prefix_caching": "on (default)",
@@ -399,7 +401,16 @@ class PhaselabServer(Server):
         finally:
             stop.set()
         self.startup_s = time.monotonic() - t0
-        log(f"phaselab: healthy after {self.startup_s:.1f}s (PID {self.pid})")
+        # the engine's ready line: dtype and why, the linear path, its native row count and batched weight
+        with contextlib.suppress(OSError), open(self.log_path, encoding="utf-8", errors="replace") as f:
+            ready = [ln.split("engine ready: ", 1)[1].strip() for ln in f if "engine ready: " in ln]
+            if ready:
+                self.settings["engine_ready"] = ready[-1]
+                m = re.search(r"linear path (\w+) .*?native <= (\d+) rows, then GEMM on a (\w+) weight", ready[-1])
+                if m:
+                    self.settings["dtype"] = (f"{self.settings['dtype']}; linear path {m[1]}: the kernel up to {m[2]} "
+                                              f"rows, above them GEMM on a {m[3]} weight")
+        log(f"phaselab: healthy after {self.startup_s:.1f}s (PID {self.pid}); {self.settings.get('engine_ready', '')[:300]}")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
