@@ -15,7 +15,9 @@ Three sections, one JSON (`benchmarks/results/linear.json` by default), naming t
    --configs, DTYPE/PATH[+BATCHED] (PATH forced by PHASELAB_LINEAR, `auto` = the start-up probe's
    choice; BATCHED = tile | resident forced by PHASELAB_BATCHED), engines taking turns round by
    round. The context is prefilled once per engine and its K/V copied into each batch
-   (benchmarks/engine.py's PhaselabDecode), so a round costs no prefill.
+   (benchmarks/engine.py's PhaselabDecode), so a round costs no prefill. Beside the wall time, the
+   process's CPU time per step (both threads): with the machine shared, it leaves out the time
+   other jobs held the cores.
 
 The machine may be shared: the load average is recorded beside every figure, and paths should
 be compared as ratios within one run. Usage: `python benchmarks/linear.py [--quick]`.
@@ -217,20 +219,25 @@ def run_batched(configs: list[str], batches: list[int], rounds: int, steps: int)
         out[cfg] = {"decision": eng.linear.summary(), "dtype": str(eng.dtype).removeprefix("torch."),
                     "max_native_rows": eng.linear.max_native_rows, "batched": s.get("batched"),
                     "weight_bytes": s["weight_bytes"], "memory_bytes": s.get("memory_bytes", s["weight_bytes"]),
-                    "steps_ms": {str(b): [] for b in batches}, "load_avg": []}
+                    "steps_ms": {str(b): [] for b in batches}, "cpu_ms": {str(b): [] for b in batches}, "load_avg": []}
         log(f"batched {cfg}: {eng.linear.summary()}; {s.get('memory_bytes', s['weight_bytes']) / 1e6:.1f} MB of weights held")
     for r in range(rounds):
         for b in batches:
             for cfg, run in runners.items():
-                out[cfg]["steps_ms"][str(b)] += [t * 1e3 for t in run.run(b)["step_s"]]
+                res = run.run(b)
+                out[cfg]["steps_ms"][str(b)] += [t * 1e3 for t in res["step_s"]]
+                out[cfg]["cpu_ms"][str(b)] += [t * 1e3 for t in res["cpu_s"]]
                 out[cfg]["load_avg"].append(os.getloadavg()[0])
         log(f"batched: round {r + 1}/{rounds} done, load {os.getloadavg()[0]:.1f}")
     for cfg, o in out.items():
         o["ms_per_step_median"] = {b: round(sorted(t)[len(t) // 2], 2) for b, t in o["steps_ms"].items() if t}
         o["ms_p10"] = {b: round(sorted(t)[len(t) // 10], 2) for b, t in o["steps_ms"].items() if t}
+        o["cpu_ms_per_step_median"] = {b: round(sorted(t)[len(t) // 2], 2) for b, t in o["cpu_ms"].items() if t}
+        o["cpu_ms"] = {b: [round(x, 2) for x in t] for b, t in o["cpu_ms"].items()}
         o["load_avg_mean"] = round(sum(o["load_avg"]) / len(o["load_avg"]), 2)
         o["steps_ms"] = {b: [round(x, 2) for x in t] for b, t in o["steps_ms"].items()}
-        log(f"batched {cfg}: median ms/step " + ", ".join(f"batch {b} {v}" for b, v in o["ms_per_step_median"].items())
+        log(f"batched {cfg}: median ms/step (CPU ms of the 2 threads) " + ", ".join(
+            f"batch {b} {v} ({o['cpu_ms_per_step_median'].get(b)})" for b, v in o["ms_per_step_median"].items())
             + f" (load {o['load_avg_mean']})")
     for run in runners.values():
         run.close()

@@ -244,6 +244,21 @@ def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
             out.append(f"| {k} | {v['cold_ms_per_token']:.3f} | {v['after_16_token_hit_ms_per_token']:.3f} | "
                        f"{v['ratio']:.2f}x | {fmt(v['load_avg'], 1)} |")
         out.append("")
+    bat = lin.get("batched_run")
+    if bat:
+        b0 = next(iter(bat["configs"].values()))
+        batches = list(b0["ms_per_step_median"])
+        out += [f"Batched decode (`benchmarks/linear.py --sections batched`, run {bat.get('started')}, {bat.get('cpu', {}).get('model', '?')}; "
+                "512-token contexts; engines take turns round by round): median ms per step, wall (CPU ms of the "
+                "process's threads: on a shared machine the wall time also counts other jobs' turns on the cores)", "",
+                "| dtype / path | linear decision | weights held MB | " + " | ".join(f"batch {b}" for b in batches) + " | load |",
+                "|---|---|---|" + "---|" * len(batches) + "---|"]
+        for cfg, v in bat["configs"].items():
+            out.append(f"| {cfg} | {v['dtype']}, native <= {v['max_native_rows']} rows, then {v['batched']} GEMM | "
+                       f"{v['memory_bytes'] / 1e6:.0f} | " + " | ".join(
+                           f"{v['ms_per_step_median'].get(b, 0):.1f} ({fmt(v.get('cpu_ms_per_step_median', {}).get(b))})"
+                           for b in batches) + f" | {fmt(v['load_avg_mean'], 1)} |")
+        out.append("")
     if prof:
         out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares", "",
                 "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
@@ -383,7 +398,11 @@ def main() -> None:
                                  load(os.path.join(ns.results, "serve_vs_peers.json")))
     lines += fidelity_section(fid)
     lines += validation_section(load(os.path.join(ns.results, "sim_validation.json")))
-    lines += linear_section(load(os.path.join(ns.results, "linear.json")), load(os.path.join(ns.results, "step_profile.json")))
+    lin = load(os.path.join(ns.results, "linear.json"))
+    bat = load(os.path.join(ns.results, "linear_batched.json"))
+    if lin is not None and bat is not None:
+        lin["batched_run"] = {"configs": bat["batched"], "started": bat.get("started"), "cpu": bat.get("cpu")}
+    lines += linear_section(lin, load(os.path.join(ns.results, "step_profile.json")))
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))

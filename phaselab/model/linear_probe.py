@@ -18,7 +18,7 @@ Above a row count the native kernel loses to torch's GEMM (batched decode, prefi
 times, at 1..64 rows on one model-sized matrix, the kernel, the GEMM on a weight widened per call
 into a tile, and the GEMM on a dense weight kept resident. `--weights auto` keeps the resident
 copy (`batched` = "resident": more memory, recorded in config.json) when it beats the tile at
-BATCHED_ROWS by more than the tie factor; `--weights quantized` always widens per call ("tile":
+BATCHED_ROWS by more than the tie factor, timed over PROBE_BYTES of weights as a step streams them; `--weights quantized` always widens per call ("tile":
 the blocks are all it holds). `max_native_rows` is the largest row count at which the kernel
 still beats the chosen GEMM. `PHASELAB_BATCHED=tile|resident` forces the choice.
 
@@ -61,7 +61,7 @@ BATCHED_ROWS = 32  # the batched decode row count the resident-vs-tile and dtype
 BATCHED_ENV = "PHASELAB_BATCHED"
 TIE = 1.25  # a path within this factor of the fastest counts as tied; the smallest storage wins
 DTYPE_TIE = 1.10
-_PROBE_VERSION = 3
+_PROBE_VERSION = 4
 
 
 @dataclass
@@ -169,7 +169,7 @@ def _batched_choice(path: str, probe: dict[str, Any]) -> str:
     BATCHED_ROWS (the q path; a dense path in the engine dtype reads its own weight either way)."""
     if path != "q":
         return "tile"
-    t = probe["rows"]["Q4_1"][str(BATCHED_ROWS)]
+    t = probe["batched_stream"]
     return "resident" if t["resident"] * TIE < t["tile"] else "tile"
 
 
@@ -216,6 +216,7 @@ def measure(act_dtype: torch.dtype, use_cache: bool = True) -> dict[str, Any]:
     dense = "BF16" if act_dtype == torch.bfloat16 else "F32"
     result = {"s_per_weight": _stream_costs(("Q4_1", dense, "torch"), act_dtype),
               "rows": {fmt: _rows_table(fmt, act_dtype) for fmt in ("Q4_1", "BF16", "F32")},
+              "batched_stream": _batched_stream("Q4_1", act_dtype),
               "dtype": str(act_dtype).removeprefix("torch."), "load_avg": os.getloadavg()}
     result["probe_s"] = round(time.perf_counter() - t0, 3)
     try:
@@ -279,6 +280,29 @@ def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5
             run()
             best[fmt] = min(best[fmt], time.perf_counter() - t)
     return {fmt: best[fmt] / sizes[fmt] for fmt in fmts}
+
+
+def _batched_stream(fmt: str, act_dtype: torch.dtype, rounds: int = 3) -> dict[str, float]:
+    """Seconds per weight at BATCHED_ROWS rows over PROBE_BYTES of dense weights (beyond the
+    caches, as a model's step is): the GEMM on resident dense copies vs widening `fmt` blocks into
+    one tile before each GEMM. A matrix that stays in cache flatters the resident copy (measured
+    on the AMD EPYC: 1.3x on one cached matrix, 1.03x on the bundled model's step)."""
+    n, k = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(2)
+    copies = max(1, PROBE_BYTES // (n * k * act_dtype.itemsize))
+    blocks = [random_weight(fmt, n, k, gen) for _ in range(copies)]
+    dense = [qlinear.dequant(fmt, w, n, k, torch.empty(n, k, dtype=act_dtype)) for w in blocks]
+    tile = torch.empty(n, k, dtype=act_dtype)
+    x = torch.randn(BATCHED_ROWS, k).to(act_dtype)
+    runs = {"resident": lambda: [F.linear(x, w) for w in dense],
+            "tile": lambda: [(qlinear.dequant(fmt, w, n, k, tile), F.linear(x, tile)) for w in blocks]}
+    best = {name: _time(run, reps=1) for name, run in runs.items()}
+    for _ in range(rounds - 1):  # taking turns, as in _stream_costs
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return {name: t / (copies * n * k) for name, t in best.items()}
 
 
 def _rows_table(fmt: str, act_dtype: torch.dtype) -> dict[str, dict[str, float]]:
