@@ -254,7 +254,9 @@ def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
                 "| dtype / path | linear decision | weights held MB | " + " | ".join(f"batch {b}" for b in batches) + " | load |",
                 "|---|---|---|" + "---|" * len(batches) + "---|"]
         for cfg, v in bat["configs"].items():
-            out.append(f"| {cfg} | {v['dtype']}, native <= {v['max_native_rows']} rows, then {v['batched']} GEMM | "
+            how = (f"native <= {v['max_native_rows']} rows, then {v['batched']} GEMM" if v.get("batched")
+                   else "torch matmuls on dense weights")
+            out.append(f"| {cfg} | {v['dtype']}, {how} | "
                        f"{v['memory_bytes'] / 1e6:.0f} | " + " | ".join(
                            f"{v['ms_per_step_median'].get(b, 0):.1f} ({fmt(v.get('cpu_ms_per_step_median', {}).get(b))})"
                            for b in batches) + f" | {fmt(v['load_avg_mean'], 1)} |")

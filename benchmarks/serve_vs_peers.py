@@ -362,6 +362,18 @@ def _heartbeat(label: str, t0: float, log_path: str | None, stop: threading.Even
         log(f"{label}: still starting, {time.monotonic() - t0:.0f}s{tail}")
 
 
+def phaselab_dtype_desc(asked: str, ready: str) -> str:
+    """`--dtype` as asked, what it resolved to and the linear path, from the engine's ready line."""
+    out = asked
+    d = re.search(r"dtype (\w+) \((\w+)", ready)
+    if d:
+        out = f"{d[1]} ({'chosen by --dtype auto' if d[2] == 'auto' else 'given'})"
+    m = re.search(r"linear path (\w+) .*?native <= (\d+) rows, then GEMM on a (\w+) weight", ready)
+    if m:
+        out += f"; linear path {m[1]}: the Q4_1 kernel up to {m[2]} rows, above them GEMM on a {m[3]} weight"
+    return out
+
+
 class PhaselabServer(Server):
     def __init__(self, port: int, dtype: str, threads: int, kv_cache: str, run_dir: str,
                  extra_args: list[str] | None = None) -> None:
@@ -406,10 +418,7 @@ class PhaselabServer(Server):
             ready = [ln.split("engine ready: ", 1)[1].strip() for ln in f if "engine ready: " in ln]
             if ready:
                 self.settings["engine_ready"] = ready[-1]
-                m = re.search(r"linear path (\w+) .*?native <= (\d+) rows, then GEMM on a (\w+) weight", ready[-1])
-                if m:
-                    self.settings["dtype"] = (f"{self.settings['dtype']}; linear path {m[1]}: the kernel up to {m[2]} "
-                                              f"rows, above them GEMM on a {m[3]} weight")
+                self.settings["dtype"] = phaselab_dtype_desc(self.settings["dtype"], ready[-1])
         log(f"phaselab: healthy after {self.startup_s:.1f}s (PID {self.pid}); {self.settings.get('engine_ready', '')[:300]}")
 
     def stop(self) -> None:
@@ -808,6 +817,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             cells = [fmt_ratio(ratio((p.get(w) or {}).get(key), (servers[k].get("workloads", {}).get(w) or {}).get(key)))
                      for k in peers]
             lines.append(f"| {w} | {name} | " + " | ".join(cells) + " |")
+        if has_cpu:  # a shared machine hands each server the cores its runnable threads win, not the same share
+            for w in WORKLOAD_ORDER[:4]:
+                cells = [fmt_ratio(ratio(per_core(p.get(w)), per_core(servers[k].get("workloads", {}).get(w))))
+                         for k in peers]
+                lines.append(f"| {w} | output tokens per core-second the server's processes ran | "
+                             + " | ".join(cells) + " |")
         lines.append("")
         targets = doc.get("targets") or compute_targets(doc)
         if targets:
@@ -838,6 +853,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      "token, so not every long prefill had streams to interfere with.")
         lines.append("")
     return "\n".join(lines)
+
+
+def per_core(r: dict[str, Any] | None) -> float | None:
+    """Output tokens per second of CPU the server's process tree ran (its `server_cores` share)."""
+    cores = ((r or {}).get("cpu") or {}).get("server_cores")
+    tput = (r or {}).get("output_throughput")
+    return tput / cores if tput and cores else None
 
 
 def compute_targets(doc: dict[str, Any]) -> list[dict[str, str]]:
