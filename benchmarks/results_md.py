@@ -349,9 +349,15 @@ def slo_section(r: dict | None) -> list[str]:
     return out
 
 
-# served runs on other machines than serve_vs_peers.json's, newest first: (file stem, how it was made)
+# served runs on other machines than serve_vs_peers.json's, newest first: (file stem, what it adds,
+# how it was made)
 SERVED_OTHER_MACHINES = [
-    ("serve_vs_peers_epyc", "python benchmarks/serve_vs_peers.py --no-merge --out benchmarks/results/serve_vs_peers_epyc.json"),
+    ("serve_vs_peers_epyc", "",
+     "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc.json"),
+    ("serve_vs_peers_epyc_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the run above)",
+     "python benchmarks/serve_vs_peers.py --servers vllm --vllm-threads-bind 0-1 --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc_vllm_2threads.json"),
 ]
 
 
@@ -359,20 +365,20 @@ def served_sections(results: str, served: str | None) -> list[str]:
     """One section per machine, named by its CPU (the machines change between runs; see DESIGN.md 7)."""
     out: list[str] = []
     runs = []
-    for stem, cmd in SERVED_OTHER_MACHINES:
+    for stem, what, cmd in SERVED_OTHER_MACHINES:
         path = os.path.join(results, stem + ".md")
         if os.path.exists(path):
-            runs.append((open(path).read(), cmd))
+            runs.append((open(path).read(), what, cmd))
     if served:
-        runs.append((served, "python benchmarks/serve_vs_peers.py"))
+        runs.append((served, "", "python benchmarks/serve_vs_peers.py"))
     if not runs:
         return ["Run `python benchmarks/serve_vs_peers.py`.", ""]
-    for md, cmd in runs:
+    for md, what, cmd in runs:
         first, _, rest = md.partition("\n")
         date = first.rsplit("(", 1)[-1].rstrip(") ") if "(" in first else "?"
         machine = next((ln for ln in rest.splitlines() if ln.startswith("Machine: ")), "Machine: ?")
         cpu = machine.removeprefix("Machine: ").split(",")[0]
-        out += [f"### {cpu} ({date})", "", f"Command: `{cmd}`.", "", rest.strip(), ""]
+        out += [f"### {cpu} ({date}){what}", "", f"Command: `{cmd}`.", "", rest.strip(), ""]
     return out
 
 

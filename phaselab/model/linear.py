@@ -14,12 +14,12 @@ batches). Above that (batched decode, prefill) it calls torch's GEMM on a dense 
 engine dtype, held one of two ways (`BATCHED`):
 
     tile      widened from the stored blocks at every call into a tile buffer shared by all
-              layers, in row chunks so the tile stays a few MB: no memory beyond the blocks, but
-              every batched step re-reads and re-writes all the weights (on the AMD EPYC of
-              benchmarks/RESULTS.md, 51 ms per step for the bundled model in bf16, more than the
-              batch-32 GEMMs themselves)
+              layers, in row chunks so the tile stays a few MB: no memory beyond the blocks, and
+              the GEMM then reads the tile from cache (the step reads 0.6 bytes per weight from
+              memory, not 2)
     resident  widened once at load and kept beside the blocks (the bundled model: +269 MB in
-              bf16): small batches still stream the blocks, large ones run the GEMM directly
+              bf16): small batches still stream the blocks, large ones run the GEMM directly;
+              kept only where it measures faster (linear_probe.py)
 
 When the stored format already is the engine dtype the GEMM reads the weight directly (no copy).
 
