@@ -352,10 +352,14 @@ def slo_section(r: dict | None) -> list[str]:
 # served runs on other machines than serve_vs_peers.json's, newest first: (file stem, what it adds,
 # how it was made)
 SERVED_OTHER_MACHINES = [
-    ("serve_vs_peers_epyc", "",
+    ("serve_vs_peers_epyc_run2", ", second run (load 4-7)",
+     "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc_run2.json, then --servers llamacpp --llamacpp-quants Q4_1 "
+     "into the same file"),
+    ("serve_vs_peers_epyc", ", first run (load 11-21)",
      "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
      "--out benchmarks/results/serve_vs_peers_epyc.json"),
-    ("serve_vs_peers_epyc_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the run above)",
+    ("serve_vs_peers_epyc_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the first run)",
      "python benchmarks/serve_vs_peers.py --servers vllm --vllm-threads-bind 0-1 --no-merge "
      "--out benchmarks/results/serve_vs_peers_epyc_vllm_2threads.json"),
 ]
