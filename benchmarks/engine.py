@@ -419,21 +419,24 @@ class PhaselabDecode:
             ok = eng.add_prefilled_request(rid, self.ids, [self.first_token], params, self.kv, m)
             assert ok, "the KV cache could not admit the decode batch"
             pending.add(rid)
-        times, peak = [], 0
+        times, cpu, peak = [], [], 0
         for _ in range(self.steps + 8):  # the parked source counts as unfinished: wait for the batch only
             if not pending:
                 break
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = eng.step()
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             plan = eng.last_plan
             peak = max(peak, plan.num_used_blocks if plan else 0)
             if plan is not None and plan.num_prefill_tokens == 0 and len(plan.scheduled) == batch and len(outs) == batch:
                 times.append(dt)
+                cpu.append(dc)
             pending -= {o.request_id for o in outs if o.finished}
         assert not pending, f"{len(pending)} decode requests did not finish in {self.steps + 8} steps"
         reset_records(eng)
-        return {"step_s": times, "used_blocks": peak}
+        # cpu_s: the process's CPU time per step (all its threads): on a shared machine it leaves out
+        # the time other processes held the cores, which the wall time counts
+        return {"step_s": times, "cpu_s": cpu, "used_blocks": peak}
 
     def close(self) -> None:
         self.eng.release_parked(self.src)

@@ -11,6 +11,13 @@ Three sections, one JSON (`benchmarks/results/linear.json` by default), naming t
    against its floor = (weights as stored + KV read) / read bandwidth (measured here with
    benchmarks/roofline.py's bandwidth()); also against the 16-bit floor (bf16 weights).
 3. `prefix`: a 2000-token prefill cold vs after a 16-token prefix-cache hit, ms per new token.
+4. `batched`: decode step time at --batches (default 1 8 32; 512-token contexts) for each of
+   --configs, DTYPE/PATH[+BATCHED] (PATH forced by PHASELAB_LINEAR, `auto` = the start-up probe's
+   choice; BATCHED = tile | resident forced by PHASELAB_BATCHED), engines taking turns round by
+   round. The context is prefilled once per engine and its K/V copied into each batch
+   (benchmarks/engine.py's PhaselabDecode), so a round costs no prefill. Beside the wall time, the
+   process's CPU time per step (both threads): with the machine shared, it leaves out the time
+   other jobs held the cores.
 
 The machine may be shared: the load average is recorded beside every figure, and paths should
 be compared as ratios within one run. Usage: `python benchmarks/linear.py [--quick]`.
@@ -176,10 +183,76 @@ def prefix_prefill(eng: Any, n_new: int, trials: int) -> dict[str, Any]:
             "ratio": min(warm) / min(cold), "load_avg": os.getloadavg()[0]}
 
 
+def batched_engine(cfg: str) -> Any:
+    """DTYPE/PATH[+BATCHED] -> an engine with that linear path (see the module docstring)."""
+    from phaselab.config import EngineArgs
+    from phaselab.engine.engine import LLMEngine
+
+    dtype, _, rest = cfg.partition("/")
+    path, _, batched = rest.partition("+")
+    env = {"PHASELAB_LINEAR": path if path != "auto" else None, "PHASELAB_BATCHED": batched or None}
+    saved = {k: os.environ.pop(k, None) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v})
+    try:
+        kv = "1200MiB" if dtype == "float32" else "640MiB"
+        return LLMEngine(EngineArgs(dtype=dtype, kv_cache_memory=kv, max_model_len=1024, max_num_seqs=64))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def run_batched(configs: list[str], batches: list[int], rounds: int, steps: int) -> dict[str, Any]:
+    from types import SimpleNamespace
+
+    from engine import PhaselabDecode
+
+    out: dict[str, Any] = {}
+    runners = {}
+    for cfg in configs:
+        eng = batched_engine(cfg)
+        g = torch.Generator().manual_seed(512)
+        ids = torch.randint(100, eng.model_config.vocab_size - 100, (512,), generator=g).tolist()
+        runners[cfg] = PhaselabDecode(SimpleNamespace(engine=eng), ids, steps)
+        s = eng.linear_summary
+        out[cfg] = {"decision": eng.linear.summary(), "dtype": str(eng.dtype).removeprefix("torch."),
+                    "max_native_rows": eng.linear.max_native_rows, "batched": s.get("batched"),
+                    "weight_bytes": s["weight_bytes"], "memory_bytes": s.get("memory_bytes", s["weight_bytes"]),
+                    "steps_ms": {str(b): [] for b in batches}, "cpu_ms": {str(b): [] for b in batches}, "load_avg": []}
+        log(f"batched {cfg}: {eng.linear.summary()}; {s.get('memory_bytes', s['weight_bytes']) / 1e6:.1f} MB of weights held")
+    for r in range(rounds):
+        for b in batches:
+            for cfg, run in runners.items():
+                res = run.run(b)
+                out[cfg]["steps_ms"][str(b)] += [t * 1e3 for t in res["step_s"]]
+                out[cfg]["cpu_ms"][str(b)] += [t * 1e3 for t in res["cpu_s"]]
+                out[cfg]["load_avg"].append(os.getloadavg()[0])
+        log(f"batched: round {r + 1}/{rounds} done, load {os.getloadavg()[0]:.1f}")
+    for cfg, o in out.items():
+        o["ms_per_step_median"] = {b: round(sorted(t)[len(t) // 2], 2) for b, t in o["steps_ms"].items() if t}
+        o["ms_p10"] = {b: round(sorted(t)[len(t) // 10], 2) for b, t in o["steps_ms"].items() if t}
+        o["cpu_ms_per_step_median"] = {b: round(sorted(t)[len(t) // 2], 2) for b, t in o["cpu_ms"].items() if t}
+        o["cpu_ms"] = {b: [round(x, 2) for x in t] for b, t in o["cpu_ms"].items()}
+        o["load_avg_mean"] = round(sum(o["load_avg"]) / len(o["load_avg"]), 2)
+        o["steps_ms"] = {b: [round(x, 2) for x in t] for b, t in o["steps_ms"].items()}
+        log(f"batched {cfg}: median ms/step (CPU ms of the 2 threads) " + ", ".join(
+            f"batch {b} {v} ({o['cpu_ms_per_step_median'].get(b)})" for b, v in o["ms_per_step_median"].items())
+            + f" (load {o['load_avg_mean']})")
+    for run in runners.values():
+        run.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    ap.add_argument("--sections", nargs="+", default=["rows", "decode", "prefix"], choices=["rows", "decode", "prefix"])
+    ap.add_argument("--sections", nargs="+", default=["rows", "decode", "prefix", "batched"],
+                    choices=["rows", "decode", "prefix", "batched"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="batched section: batch sizes")
+    ap.add_argument("--configs", nargs="+", default=["float32/q", "bfloat16/q+tile", "bfloat16/q+resident", "bfloat16/torch",
+                                                     "auto/auto"],
+                    help="batched section: DTYPE/PATH[+BATCHED] (auto = what the start-up probe picks)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "linear.json"))
     args = ap.parse_args()
     reps = 2 if args.quick else 5
@@ -243,6 +316,9 @@ def main() -> None:
                 log(f"prefix {dtype}: cold {p['cold_ms_per_token']:.3f} ms/token, after a 16-token hit "
                     f"{p['after_16_token_hit_ms_per_token']:.3f} ({p['ratio']:.2f}x)")
         del engines
+    if "batched" in args.sections:
+        result["batched"] = run_batched(args.configs, args.batches, rounds=2 if args.quick else 4,
+                                        steps=6 if args.quick else 10)
     result["load_avg_at_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

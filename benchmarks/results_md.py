@@ -244,6 +244,23 @@ def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
             out.append(f"| {k} | {v['cold_ms_per_token']:.3f} | {v['after_16_token_hit_ms_per_token']:.3f} | "
                        f"{v['ratio']:.2f}x | {fmt(v['load_avg'], 1)} |")
         out.append("")
+    bat = lin.get("batched_run")
+    if bat:
+        b0 = next(iter(bat["configs"].values()))
+        batches = list(b0["ms_per_step_median"])
+        out += [f"Batched decode (`benchmarks/linear.py --sections batched`, run {bat.get('started')}, {bat.get('cpu', {}).get('model', '?')}; "
+                "512-token contexts; engines take turns round by round): median ms per step, wall (CPU ms of the "
+                "process's threads: on a shared machine the wall time also counts other jobs' turns on the cores)", "",
+                "| dtype / path | linear decision | weights held MB | " + " | ".join(f"batch {b}" for b in batches) + " | load |",
+                "|---|---|---|" + "---|" * len(batches) + "---|"]
+        for cfg, v in bat["configs"].items():
+            how = (f"native <= {v['max_native_rows']} rows, then {v['batched']} GEMM" if v.get("batched")
+                   else "torch matmuls on dense weights")
+            out.append(f"| {cfg} | {v['dtype']}, {how} | "
+                       f"{v['memory_bytes'] / 1e6:.0f} | " + " | ".join(
+                           f"{v['ms_per_step_median'].get(b, 0):.1f} ({fmt(v.get('cpu_ms_per_step_median', {}).get(b))})"
+                           for b in batches) + f" | {fmt(v['load_avg_mean'], 1)} |")
+        out.append("")
     if prof:
         out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares", "",
                 "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
@@ -349,6 +366,43 @@ def slo_section(r: dict | None) -> list[str]:
     return out
 
 
+# served runs on other machines than serve_vs_peers.json's, newest first: (file stem, what it adds,
+# how it was made)
+SERVED_OTHER_MACHINES = [
+    ("serve_vs_peers_epyc_run2", ", second run (load 4-7)",
+     "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc_run2.json, then --servers llamacpp --llamacpp-quants Q4_1 "
+     "into the same file"),
+    ("serve_vs_peers_epyc", ", first run (load 11-21)",
+     "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc.json"),
+    ("serve_vs_peers_epyc_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the first run)",
+     "python benchmarks/serve_vs_peers.py --servers vllm --vllm-threads-bind 0-1 --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc_vllm_2threads.json"),
+]
+
+
+def served_sections(results: str, served: str | None) -> list[str]:
+    """One section per machine, named by its CPU (the machines change between runs; see DESIGN.md 7)."""
+    out: list[str] = []
+    runs = []
+    for stem, what, cmd in SERVED_OTHER_MACHINES:
+        path = os.path.join(results, stem + ".md")
+        if os.path.exists(path):
+            runs.append((open(path).read(), what, cmd))
+    if served:
+        runs.append((served, "", "python benchmarks/serve_vs_peers.py"))
+    if not runs:
+        return ["Run `python benchmarks/serve_vs_peers.py`.", ""]
+    for md, what, cmd in runs:
+        first, _, rest = md.partition("\n")
+        date = first.rsplit("(", 1)[-1].rstrip(") ") if "(" in first else "?"
+        machine = next((ln for ln in rest.splitlines() if ln.startswith("Machine: ")), "Machine: ?")
+        cpu = machine.removeprefix("Machine: ").split(",")[0]
+        out += [f"### {cpu} ({date}){what}", "", f"Command: `{cmd}`.", "", rest.strip(), ""]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -368,12 +422,16 @@ def main() -> None:
     else:
         lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
     lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
-    lines += [served.replace("### Served: ", "Run: "), ""] if served else ["Run `python benchmarks/serve_vs_peers.py`.", ""]
+    lines += served_sections(ns.results, served)
     lines += served_fp32_section(load(os.path.join(ns.results, "serve_vs_peers_phaselab_fp32.json")),
                                  load(os.path.join(ns.results, "serve_vs_peers.json")))
     lines += fidelity_section(fid)
     lines += validation_section(load(os.path.join(ns.results, "sim_validation.json")))
-    lines += linear_section(load(os.path.join(ns.results, "linear.json")), load(os.path.join(ns.results, "step_profile.json")))
+    lin = load(os.path.join(ns.results, "linear.json"))
+    bat = load(os.path.join(ns.results, "linear_batched.json"))
+    if lin is not None and bat is not None:
+        lin["batched_run"] = {"configs": bat["batched"], "started": bat.get("started"), "cpu": bat.get("cpu")}
+    lines += linear_section(lin, load(os.path.join(ns.results, "step_profile.json")))
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))

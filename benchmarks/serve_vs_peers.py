@@ -69,6 +69,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import socket
 import subprocess
@@ -361,6 +362,18 @@ def _heartbeat(label: str, t0: float, log_path: str | None, stop: threading.Even
         log(f"{label}: still starting, {time.monotonic() - t0:.0f}s{tail}")
 
 
+def phaselab_dtype_desc(asked: str, ready: str) -> str:
+    """`--dtype` as asked, what it resolved to and the linear path, from the engine's ready line."""
+    out = asked
+    d = re.search(r"dtype (\w+) \((\w+)", ready)
+    if d:
+        out = f"{d[1]} ({'chosen by --dtype auto' if d[2] == 'auto' else 'given'})"
+    m = re.search(r"linear path (\w+) .*?native <= (\d+) rows, then GEMM on a (\w+) weight", ready)
+    if m:
+        out += f"; linear path {m[1]}: the Q4_1 kernel up to {m[2]} rows, above them GEMM on a {m[3]} weight"
+    return out
+
+
 class PhaselabServer(Server):
     def __init__(self, port: int, dtype: str, threads: int, kv_cache: str, run_dir: str,
                  extra_args: list[str] | None = None) -> None:
@@ -368,11 +381,12 @@ class PhaselabServer(Server):
         self.proc: subprocess.Popen[bytes] | None = None
         self.args = [sys.executable, "-m", "phaselab", "serve", "--host", "127.0.0.1", "--port", str(port),
                      "--dtype", dtype, "--num-threads", str(threads), "--omp-wait-policy", "PASSIVE",
-                     "--kv-cache-memory", kv_cache, "--log-level", "warning", *(extra_args or [])]
+                     "--kv-cache-memory", kv_cache, "--log-level", "info", *(extra_args or [])]
         self.log_path: str = os.path.join(run_dir, "phaselab-server.log")
         self.settings = {
             "command": " ".join(["phaselab", *self.args[3:]]),
-            "model": "bundled SmolLM2-135M-Instruct.Q4_1.gguf, dequantized",
+            "model": "bundled SmolLM2-135M-Instruct.Q4_1.gguf (linear weights as `engine_ready` says: "
+                     "--weights auto keeps the Q4_1 blocks for the native kernel)",
             "dtype": dtype, "threads": threads, "OMP_WAIT_POLICY": "PASSIVE", "kv_cache_memory": kv_cache,
             "policy": "chunked (default)", "max_num_batched_tokens": "2048 (default)",
             "max_num_seqs": "128 (default)", "prefix_caching": "on (default)",
@@ -399,7 +413,13 @@ class PhaselabServer(Server):
         finally:
             stop.set()
         self.startup_s = time.monotonic() - t0
-        log(f"phaselab: healthy after {self.startup_s:.1f}s (PID {self.pid})")
+        # the engine's ready line: dtype and why, the linear path, its native row count and batched weight
+        with contextlib.suppress(OSError), open(self.log_path, encoding="utf-8", errors="replace") as f:
+            ready = [ln.split("engine ready: ", 1)[1].strip() for ln in f if "engine ready: " in ln]
+            if ready:
+                self.settings["engine_ready"] = ready[-1]
+                self.settings["dtype"] = phaselab_dtype_desc(self.settings["dtype"], ready[-1])
+        log(f"phaselab: healthy after {self.startup_s:.1f}s (PID {self.pid}); {self.settings.get('engine_ready', '')[:300]}")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -797,6 +817,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
             cells = [fmt_ratio(ratio((p.get(w) or {}).get(key), (servers[k].get("workloads", {}).get(w) or {}).get(key)))
                      for k in peers]
             lines.append(f"| {w} | {name} | " + " | ".join(cells) + " |")
+        if has_cpu:  # a shared machine hands each server the cores its runnable threads win, not the same share
+            for w in WORKLOAD_ORDER[:4]:
+                cells = [fmt_ratio(ratio(per_core(p.get(w)), per_core(servers[k].get("workloads", {}).get(w))))
+                         for k in peers]
+                lines.append(f"| {w} | output tokens per core-second the server's processes ran | "
+                             + " | ".join(cells) + " |")
         lines.append("")
         targets = doc.get("targets") or compute_targets(doc)
         if targets:
@@ -827,6 +853,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      "token, so not every long prefill had streams to interfere with.")
         lines.append("")
     return "\n".join(lines)
+
+
+def per_core(r: dict[str, Any] | None) -> float | None:
+    """Output tokens per second of CPU the server's process tree ran (its `server_cores` share)."""
+    cores = ((r or {}).get("cpu") or {}).get("server_cores")
+    tput = (r or {}).get("output_throughput")
+    return tput / cores if tput and cores else None
 
 
 def compute_targets(doc: dict[str, Any]) -> list[dict[str, str]]:

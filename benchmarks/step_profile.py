@@ -9,7 +9,10 @@ its own overhead would be a large share of a 20 ms step):
     model other the rest of the forward: embedding, norms, RoPE, SiLU*up, residual adds
     engine      everything else in step(): scheduling, input preparation, outputs, Python
 
-Every request has a 512-token context; the KV cache holds batch 64 without preemption (2 GiB in fp32). Writes JSON (`benchmarks/results/step_profile.json`)
+Configurations (`--configs`) are DTYPE/PATH[+BATCHED]: the linear path forced by PHASELAB_LINEAR
+(q, bf16, fp32, torch; `auto`: what the start-up probe picks, as `phaselab serve` runs) and the
+GEMM's weight above the native row count forced by PHASELAB_BATCHED (tile | resident). The JSON
+records each engine's linear decision and weight memory. Every request has a 512-token context; the KV cache holds batch 64 without preemption (2 GiB in fp32). Writes JSON (`benchmarks/results/step_profile.json`)
 with the load average beside each figure. Usage: `python benchmarks/step_profile.py [--quick]`.
 """
 
@@ -108,19 +111,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
-    ap.add_argument("--configs", nargs="+", default=["float32/q", "bfloat16/q", "bfloat16/torch", "float32/torch"])
+    ap.add_argument("--configs", nargs="+", default=["float32/q", "bfloat16/q", "bfloat16/q+resident", "bfloat16/auto",
+                                                     "bfloat16/torch", "float32/torch"],
+                    help="DTYPE/PATH[+BATCHED]: PATH forced by PHASELAB_LINEAR (auto: the start-up probe "
+                         "decides), BATCHED (tile | resident) by PHASELAB_BATCHED")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "step_profile.json"))
     args = ap.parse_args()
     steps = 6 if args.quick else 16
     result: dict[str, Any] = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "profiles": {}}
     for cfg in args.configs:
-        dtype, path = cfg.split("/")
-        os.environ["PHASELAB_LINEAR"] = path
+        # DTYPE/PATH[+BATCHED]: PATH forced through PHASELAB_LINEAR ("auto": the start-up probe
+        # decides, as `phaselab serve` does), BATCHED through PHASELAB_BATCHED (tile | resident)
+        dtype, _, rest = cfg.partition("/")
+        path, _, batched = rest.partition("+")
+        env = {"PHASELAB_LINEAR": path if path != "auto" else None, "PHASELAB_BATCHED": batched or None}
+        saved = {k: os.environ.pop(k, None) for k in env}
+        os.environ.update({k: v for k, v in env.items() if v})
         try:
             eng = LLMEngine(EngineArgs(dtype=dtype, kv_cache_memory="2GiB" if dtype == "float32" else "1GiB", max_model_len=1024, max_num_seqs=128))
         finally:
-            del os.environ["PHASELAB_LINEAR"]
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+        s = eng.linear_summary
+        result.setdefault("linear", {})[cfg] = {
+            "decision": eng.linear.summary(), "max_native_rows": eng.linear.max_native_rows,
+            "batched": s.get("batched"), "weight_bytes": s["weight_bytes"], "memory_bytes": s.get("memory_bytes", s["weight_bytes"])}
+        log(f"{cfg}: {eng.linear.summary()}; weights {s['weight_bytes'] / 1e6:.1f} MB as stored, "
+            f"{s.get('memory_bytes', s['weight_bytes']) / 1e6:.1f} MB held")
         for b in args.batches:
             r = profile(eng, b, steps)
             result["profiles"].setdefault(cfg, []).append(r)

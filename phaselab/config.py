@@ -39,8 +39,8 @@ def parse_bytes(value: str | int) -> int:
 class EngineArgs:
     model: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer.json or HF directory overriding the model's tokenizer"})
-    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto | float32 | bfloat16 (auto: measured at start-up, bf16 where its GEMM keeps up with fp32, e.g. AMX; cached per CPU)"})
-    weights: str = field(default="auto", metadata={"choices": WEIGHTS, "help": "auto | quantized | dequantized: how linear weights are held. quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (K-quants re-quantized to Q8_0), read by the native kernel; dequantized: widened to the dtype at load, torch matmuls; auto: measured at start-up (env PHASELAB_LINEAR=q|bf16|fp32|torch forces a path)"})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto | float32 | bfloat16 (auto: measured at start-up on decode's linear layers at 1 row and at 32 rows, ties to bf16; cached per CPU)"})
+    weights: str = field(default="auto", metadata={"choices": WEIGHTS, "help": "auto | quantized | dequantized: how linear weights are held. quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (K-quants re-quantized to Q8_0), read by the native kernel; dequantized: widened to the dtype at load, torch matmuls; auto: measured at start-up, and may keep a dense copy beside the blocks for batched rows when its GEMM measures faster (env PHASELAB_LINEAR=q|bf16|fp32|torch forces a path, PHASELAB_BATCHED=tile|resident the batched weight)"})
     kv_cache_memory: str | int = field(default="2GiB", metadata={"help": "memory for the paged KV cache, allocated once at start"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     max_model_len: int | None = field(default=None, metadata={"help": "most tokens per request (default: the model's context, capped by the cache)"})

@@ -117,6 +117,28 @@ def test_layer_native_and_tiled_gemm_paths(fmt, act):
         _check(y, x, w, b, f"layer {fmt} x {act} at {m} rows")
 
 
+@pytest.mark.parametrize("fmt", QUANT)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_layer_resident_gemm_path(fmt, act):
+    """batched="resident": above max_native_rows the GEMM reads a dense copy widened once at
+    construction; it gives what the per-call tile gives, and below the switch the kernel runs."""
+    n, k = 45, 128
+    packed, ref = _gguf_packed(fmt, n, k, seed=6)
+    bias = torch.randn(n)
+    resident = PackedLinear(packed, bias, act, max_native_rows=8, workspace=Workspace(act), batched="resident")
+    tiled = PackedLinear(packed, bias, act, max_native_rows=8, workspace=Workspace(act))
+    assert resident.resident_bytes == n * k * act.itemsize and tiled.resident_bytes == 0
+    assert "resident" in repr(resident) and "tile" in repr(tiled)
+    for m in (1, 8, 9, 33):
+        x = _x(m, k, act, seed=200 + m)
+        y = resident(x)
+        w = ref if act == torch.float32 or m <= 8 else ref.to(torch.bfloat16).double()
+        b = bias if act == torch.float32 or m <= 8 else bias.to(torch.bfloat16)
+        _check(y, x, w, b, f"resident {fmt} x {act} at {m} rows")
+        if m > 8:  # the same GEMM on the same widened weight
+            assert torch.equal(y, tiled(x)), f"resident vs tile {fmt} x {act} at {m} rows"
+
+
 def test_tiled_gemm_in_row_chunks(monkeypatch):
     """A weight larger than the tile (the LM head) is widened and multiplied a chunk at a time."""
     from phaselab.model import linear

@@ -16,6 +16,7 @@ from phaselab.config import EngineArgs
 from phaselab.engine.engine import LLMEngine
 from phaselab.model.kernels import qlinear
 from phaselab.model.linear import PackedLinear
+from phaselab.model.linear_probe import BATCHED_ROWS, CROSSOVER_ROWS
 from phaselab.model.loader import load_checkpoint
 from tests._loader_helpers import random_weights, tiny_hf_config, write_gguf
 from tests._model_helpers import compare_greedy, make_prompts
@@ -71,6 +72,33 @@ def test_each_forced_path_matches_dequantized_fp32(tmp_path, monkeypatch, tie, p
             assert agree >= (1.0 if exact else 0.9), f"{path}/{dtype}: top-1 agreement {agree}"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resident_batched_gemm_matches_dequantized_fp32(tmp_path, monkeypatch, dtype):
+    """PHASELAB_BATCHED=resident: the q path keeps a dense copy for its GEMM rows; the model
+    still computes the dequantized checkpoint, and config.json says what the copy costs."""
+    gguf_path = _tiny_gguf(tmp_path, tie=True)
+    ref = _engine(gguf_path, dtype="float32", weights="dequantized")
+    tokens = list(range(3, 3 + 150))
+    want = ref.score(tokens)
+    monkeypatch.setenv("PHASELAB_LINEAR", "q")
+    monkeypatch.setenv("PHASELAB_BATCHED", "resident")
+    eng = _engine(gguf_path, dtype=dtype)
+    summary = eng.run_config()["linear"]
+    assert summary["batched"] == "resident" and eng.linear.batched == "resident"
+    assert summary["resident_bytes"] > 0 and summary["memory_bytes"] == summary["weight_bytes"] + summary["resident_bytes"]
+    packed = [m for m in eng.executor.model.modules() if isinstance(m, PackedLinear)]
+    assert all(m.direct is not None for m in packed)
+    for m in packed:
+        m.max_native_rows = 0  # every row through the GEMM on the resident copy
+    got = eng.score(tokens)
+    tol = 2e-4 if dtype == "float32" else 0.1
+    err = (got - want).abs().max().item()
+    assert err <= tol * want.abs().max().item(), f"resident/{dtype}: max logit error {err}"
+    monkeypatch.setenv("PHASELAB_BATCHED", "dense")
+    with pytest.raises(Exception, match="PHASELAB_BATCHED"):
+        _engine(gguf_path, dtype=dtype)
+
+
 def test_weights_option_and_record(tmp_path, monkeypatch):
     monkeypatch.delenv("PHASELAB_LINEAR", raising=False)
     gguf_path = _tiny_gguf(tmp_path, tie=True)
@@ -81,6 +109,14 @@ def test_weights_option_and_record(tmp_path, monkeypatch):
     assert summary["cpu"]["isa"] and "probe" in summary
     auto = _engine(gguf_path, dtype="float32")
     assert auto.linear.path in ("q", "fp32", "torch") and "measured" in auto.linear.reason
+    assert auto.linear.batched in ("tile", "resident")
+    # the probe's table behind max_native_rows and the batched choice: every path, every row count
+    rows = auto.run_config()["linear"]["probe"]["rows"]
+    assert set(rows) == {"Q4_1", "BF16", "F32"}
+    assert all(set(rows[f]) == {str(r) for r in CROSSOVER_ROWS} for f in rows)
+    # dtype auto: chosen on decode's linear cost at one row and at a batched row count, both recorded
+    picked = _engine(gguf_path)
+    assert "at 1 row" in picked.linear.dtype_reason and f"at {BATCHED_ROWS} rows" in picked.linear.dtype_reason
     with pytest.raises(Exception, match="weights"):
         EngineArgs(weights="int4")
     monkeypatch.setenv("PHASELAB_LINEAR", "int4")

@@ -55,10 +55,11 @@ from phaselab.spec.tokenizer import Tokenizer
 logger = logging.getLogger("phaselab.engine")
 
 
-def resolve_dtype(name: str) -> tuple[torch.dtype, str]:
-    """auto: measured at start-up (linear_probe.auto_dtype: bf16 where its GEMM keeps up with fp32)."""
+def resolve_dtype(name: str, is_gguf: bool = True, weights: str = "auto") -> tuple[torch.dtype, str]:
+    """auto: measured at start-up (linear_probe.auto_dtype: the faster dtype for decode's linear
+    layers at one row and at a batched row count, on the paths `weights` allows)."""
     if name == "auto":
-        return linear_probe.auto_dtype()
+        return linear_probe.auto_dtype(is_gguf, native=weights != "dequantized")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name], "given"
 
 
@@ -85,8 +86,9 @@ class LLMEngine:
         if args.num_threads:
             torch.set_num_threads(args.num_threads)
         tune_allocator()
-        self.dtype, dtype_reason = resolve_dtype(args.dtype)
-        self.linear = linear_probe.decide(args.weights, self.dtype, linear_probe.has_gguf_blocks(args.model, checkpoint))
+        is_gguf = linear_probe.has_gguf_blocks(args.model, checkpoint)
+        self.dtype, dtype_reason = resolve_dtype(args.dtype, is_gguf, args.weights)
+        self.linear = linear_probe.decide(args.weights, self.dtype, is_gguf)
         self.linear.dtype_reason = f"{str(self.dtype).removeprefix('torch.')} ({dtype_reason})"
         ckpt = checkpoint or load_checkpoint(args.model, self.dtype, args.tokenizer, self.linear.keep_packed)
         self.model_config = config = ckpt.config
@@ -151,7 +153,8 @@ class LLMEngine:
         with torch.device("meta"):
             model = LlamaForCausalLM(ckpt.config, max_positions=max_model_len)
         weights = dict(ckpt.weights)  # install() swaps entries; a shared checkpoint stays as loaded
-        self.linear_summary = install_linear(model, weights, self.linear.path, self.dtype, self.linear.max_native_rows)
+        self.linear_summary = install_linear(model, weights, self.linear.path, self.dtype, self.linear.max_native_rows,
+                                             self.linear.batched)
         model = model.to_empty(device="cpu").to(self.dtype)
         model.rotary.__init__(ckpt.config, max_model_len)  # buffers were on the meta device
         model.load_weights(weights, source=ckpt.path)

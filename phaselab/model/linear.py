@@ -10,9 +10,18 @@ Four paths run a model's linear layers (`PATHS`):
     torch  today's nn.Linear on weights dequantized to the engine dtype (torch's BLAS / oneDNN)
 
 On the native paths a layer runs the kernel for up to `max_native_rows` activation rows (decode
-batches); above that it widens its weight into a tile buffer shared by all layers (no per-layer
-dense copy is kept) and calls torch's GEMM, in row chunks so the tile stays a few MB. When the
-stored format already is the engine dtype the GEMM reads the weight directly.
+batches). Above that (batched decode, prefill) it calls torch's GEMM on a dense weight in the
+engine dtype, held one of two ways (`BATCHED`):
+
+    tile      widened from the stored blocks at every call into a tile buffer shared by all
+              layers, in row chunks so the tile stays a few MB: no memory beyond the blocks, and
+              the GEMM then reads the tile from cache (the step reads 0.6 bytes per weight from
+              memory, not 2)
+    resident  widened once at load and kept beside the blocks (the bundled model: +269 MB in
+              bf16): small batches still stream the blocks, large ones run the GEMM directly;
+              kept only where it measures faster (linear_probe.py)
+
+When the stored format already is the engine dtype the GEMM reads the weight directly (no copy).
 
 Activations and outputs stay in the engine dtype; sums run in float32.
 """
@@ -29,6 +38,7 @@ from phaselab.model.kernels import qlinear
 from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
 
 PATHS = ("q", "bf16", "fp32", "torch")
+BATCHED = ("tile", "resident")
 ENV_VAR = "PHASELAB_LINEAR"
 TILE_ELEMENTS = 4 * 2**20  # the GEMM path widens at most this many weights at a time
 DEFAULT_MAX_NATIVE_ROWS = 16
@@ -58,7 +68,7 @@ class PackedLinear(nn.Module):
     `module.to(dtype)` / `to_empty` leave the stored format alone."""
 
     def __init__(self, packed: PackedTensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
-                 max_native_rows: int, workspace: Workspace) -> None:
+                 max_native_rows: int, workspace: Workspace, batched: str = "tile") -> None:
         super().__init__()
         self.packed = packed
         self.out_features, self.in_features = packed.shape
@@ -67,10 +77,21 @@ class PackedLinear(nn.Module):
         self.act_dtype = act_dtype
         self.max_native_rows = max_native_rows
         self.ws = workspace
+        assert batched in BATCHED, batched
+        # the dense weight the GEMM reads above max_native_rows: the stored one when it already is
+        # in the engine dtype, else a resident copy (batched="resident") or None (widened per call)
         self.direct = packed.data if DENSE.get(packed.fmt) == act_dtype else None
+        self.resident_bytes = 0
+        if self.direct is None and batched == "resident":
+            n, k = packed.shape
+            self.direct = qlinear.dequant(packed.fmt, packed.data, n, k, torch.empty((n, k), dtype=act_dtype))
+            self.resident_bytes = self.direct.numel() * self.direct.element_size()
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features}, {self.packed.fmt}, native <= {self.max_native_rows} rows"
+        batched = "direct" if self.resident_bytes == 0 and self.direct is not None else (
+            "resident" if self.direct is not None else "tile")
+        return (f"{self.in_features} -> {self.out_features}, {self.packed.fmt}, native <= {self.max_native_rows} rows, "
+                f"GEMM on {batched} weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], self.in_features
@@ -166,12 +187,15 @@ def densify(weights: dict[str, Any], dtype: torch.dtype) -> None:
 
 
 def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: torch.dtype,
-            max_native_rows: int = DEFAULT_MAX_NATIVE_ROWS) -> dict[str, Any]:
+            max_native_rows: int = DEFAULT_MAX_NATIVE_ROWS, batched: str = "tile") -> dict[str, Any]:
     """Put `path`'s layers into `model` (built on the meta device, before `to_empty`).
 
     Linear layers, the embedding and the LM head become Packed* modules holding their weights;
     `load_weights` then fills the remaining (dense) parameters. For "torch", packed weights are
-    dequantized in `weights` and the model is left as built. Returns a summary for config.json.
+    dequantized in `weights` and the model is left as built. `batched`: how layers hold the dense
+    weight of their GEMM above `max_native_rows` (`BATCHED`). Returns a summary for config.json:
+    `weight_bytes` is the weights as stored (what a small-batch step reads), `resident_bytes` the
+    dense copies kept for the GEMM, `memory_bytes` both.
     """
     config = model.config
     if path == "torch":
@@ -179,16 +203,18 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         return {"path": "torch", "weight_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
     ws = Workspace(act_dtype)
     formats: dict[str, int] = {}
-    total = 0
+    total = resident = 0
     for module_path, names, bias_suffix in _linear_names(config):
         packed = _fuse([_as_format(weights[n + ".weight"], path, act_dtype) for n in names], path, act_dtype)
         bias = None
         if bias_suffix:
             bias = torch.cat([weights[n + "." + bias_suffix].float() for n in names])
         parent_name, _, attr = module_path.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, PackedLinear(packed, bias, act_dtype, max_native_rows, ws))
+        layer = PackedLinear(packed, bias, act_dtype, max_native_rows, ws, batched)
+        setattr(model.get_submodule(parent_name), attr, layer)
         formats[packed.fmt] = formats.get(packed.fmt, 0) + 1
         total += packed.nbytes + (0 if bias is None else bias.numel() * 4)
+        resident += layer.resident_bytes
     embed = _as_format(weights["model.embed_tokens.weight"], path, act_dtype)
     model.model.embed_tokens = PackedEmbedding(embed, act_dtype)
     total += embed.nbytes
@@ -196,7 +222,8 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
     if not config.tie_word_embeddings:
         total += head_source.nbytes
         model.lm_head = None  # its weight lives in the packed head below
-    model.head = PackedLinear(head_source, None, act_dtype, max_native_rows, ws)
+    model.head = PackedLinear(head_source, None, act_dtype, max_native_rows, ws, batched)
+    resident += model.head.resident_bytes
     formats[embed.fmt] = formats.get(embed.fmt, 0) + 1
     dense = sum(w.numel() * act_dtype.itemsize for w in weights.values()
                 if isinstance(w, torch.Tensor) and w.dim() == 1)
@@ -204,7 +231,10 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         "path": path,
         "formats": formats,
         "max_native_rows": max_native_rows,
+        "batched": batched,
         "weight_bytes": total + dense,
+        "resident_bytes": resident,
+        "memory_bytes": total + dense + resident,
         "tied_head": "embedding's packed rows" if config.tie_word_embeddings else "own packed rows",
         "requantized_from": sorted({w.source_fmt for w in weights.values()
                                     if isinstance(w, PackedTensor) and w.source_fmt}),
