@@ -327,7 +327,7 @@ class LLMEngine:
         predicted = None
         if self.budget_learner is not None and not plan.is_empty:  # learn, then plan the next with it
             predicted = self.budget_learner.observe(plan, (t3 - t0) / 1e9)
-            self.scheduler.set_cost_coefficients(self.budget_learner.coefficients)
+            self.scheduler.set_cost_coefficients(self.budget_learner.planning_coefficients)
         if self.recording:
             self._record_iteration(plan, result, t0, t1, t2, t3, predicted)
         self.last_plan = plan
