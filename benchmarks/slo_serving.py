@@ -206,26 +206,28 @@ def main() -> int:
     # Interleaved: round k runs every configuration once, in forward order on even rounds and
     # backward on odd ones, so a load that drifts during the benchmark falls on all of them alike
     # (run one after another, the last configuration met a different machine than the first).
-    for wname, arrivals in workloads.items():
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in configs}
-        for k in range(ns.rounds):
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {name: [] for name, _ in configs} for w in workloads}
+    for k in range(ns.rounds):  # every workload in each round: a cut-short benchmark still has both
+        for wname, arrivals in workloads.items():
             order = configs if k % 2 == 0 else configs[::-1]
             for name, kw in order:
-                print(f"[{wname} round {k + 1}/{ns.rounds}] {name} ({len(arrivals)} requests, load "
+                print(f"[round {k + 1}/{ns.rounds} {wname}] {name} ({len(arrivals)} requests, load "
                       f"{os.getloadavg()[0]:.1f})", file=sys.stderr)
                 e = engine(**kw)
                 run = run_once(e, arrivals)
                 e.shutdown()
-                runs[name].append(run)
+                runs[wname][name].append(run)
                 r = summarize([run], targets, ns.ttft_slo_s)
                 print(f"    ITL p50 {r['itl_p50_s'] * 1e3:.0f} ms p99 {r['itl_p99_s'] * 1e3:.0f} ms; TTFT p50 "
                       f"{r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s; wall {r['wall_s']:.0f} s", file=sys.stderr)
-            results = {name: summarize(rs, targets, ns.ttft_slo_s) for name, rs in runs.items() if rs}
+            wr = runs[wname]
+            results = {name: summarize(rs, targets, ns.ttft_slo_s) for name, rs in wr.items() if rs}
             report["workloads"][wname] = results
             report["acceptance"][wname] = acceptance(results, targets)
             report["acceptance_per_round"][wname] = [
-                acceptance({name: summarize([rs[i]], targets, ns.ttft_slo_s) for name, rs in runs.items()}, targets)
+                acceptance({name: summarize([rs[i]], targets, ns.ttft_slo_s) for name, rs in wr.items()}, targets)
                 for i in range(k + 1)]
+            report["rounds_done"] = k + 1
             report["machine"]["loadavg_at_end"] = list(os.getloadavg())
             os.makedirs(os.path.dirname(ns.out), exist_ok=True)
             with open(ns.out, "w", encoding="utf-8") as f:
