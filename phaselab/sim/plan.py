@@ -133,7 +133,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     print(f"{'rank':>4}  {'goodput/GPU':>11}  {'goodput':>8}  {'attain':>6}  configuration")
     for i, c in enumerate(ranked[: ns.top], start=1):
         print(f"{i:>4}  {c.per_gpu:>9.3g}/s  {c.rate:>6.3g}/s  {c.figure:>6.0%}  {c.deployment.describe()}")
-    out = result.to_json()
+    out = {**result.to_json(), "arguments": {k: v for k, v in vars(ns).items()
+                                             if isinstance(v, (str, int, float, bool, type(None)))}}
     code = 0 if result.best else 1
     if verifier is None:
         print("predicted by the simulator (phaselab/sim); not verified by a real run (--verify runs them on this "
