@@ -310,7 +310,7 @@ def slo_section(r: dict | None) -> list[str]:
         out += [f"Each configuration ran {r.get('rounds_done', r['rounds'])} time(s), interleaved (round k in forward "
                 "order, the next backward) so that the shared machine's drifting load falls on all alike; the "
                 "figures pool every round's gaps and TTFTs; 'per round' gives each round's ITL p99 / TTFT p50 and "
-                f"the 1-minute load average when it started. Load at the end: {m.get('loadavg_at_end', ['?'])[0]}.", ""]
+                f"the 1-minute load average when it started. Load at the end: {fmt((m.get('loadavg_at_end') or [None])[0])}.", ""]
     for w, results in r["workloads"].items():
         out += [f"### {w}", "",
                 "| config | ITL p50 | ITL p99 | TTFT p50 | TTFT p99 | "
