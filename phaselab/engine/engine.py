@@ -393,7 +393,8 @@ class LLMEngine:
         pool = sched.kv_cache_manager.block_pool
         self.metrics.observe_iteration(rec, rec.num_running, rec.num_waiting, pool.usage, pool.num_used_blocks)
         if self.budget_learner is not None:
-            self.metrics.observe_budget(rec, self.budget_learner.coefficients.to_json())
+            learner = self.budget_learner  # the fit, and the error factor the plan scales it by
+            self.metrics.observe_budget(rec, {**learner.coefficients.to_json(), "error_factor": learner.error_factor})
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (teacher forcing), outside the loop.
