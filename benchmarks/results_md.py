@@ -306,6 +306,8 @@ def slo_section(r: dict | None) -> list[str]:
            f"{m['loadavg_at_start'][0]:.1f}. TBT targets {', '.join(k + ' ms' for k in keys)} (2x and 4x the "
            f"decode step of the interference streams alone: {step}). Goodput: requests/s with TTFT <= "
            f"{r['ttft_slo_s']:g} s and TPOT <= the target. 'held': ITL p99 <= 1.15 x the target.", ""]
+    if r.get("code_note"):
+        out += [f"Code: {r['code_note']}.", ""]
     if r.get("rounds"):
         out += [f"Each configuration ran {r.get('rounds_done', r['rounds'])} time(s), interleaved (round k in forward "
                 "order, the next backward) so that the shared machine's drifting load falls on all alike; the "

@@ -163,7 +163,7 @@ class LoadedWarmUpCostModel(LinearCostModel):
 
 
 def test_planning_corrects_a_fit_biased_by_a_loaded_warm_up():
-    """The budget is planned with the fit scaled by the recent p90 of measured / predicted: a fit
+    """The budget is planned with the fit scaled by the recent median of measured / predicted: a fit
     left too high by a loaded warm-up would hold prefill to a fraction of what fits; the scaled
     plan fills the iterations up to the limit and still holds the target (truth: the cost model's
     own times, which the fitter only sees through the iterations)."""
@@ -176,10 +176,11 @@ def test_planning_corrects_a_fit_biased_by_a_loaded_warm_up():
     late = bound[len(bound) // 4:]  # once the error window has filled
     # the fit itself still over-predicts (the anchor keeps part of the warm-up) ...
     assert sorted(r.predicted_ns / (r.end_ns - r.start_ns) for r in late)[len(late) // 2] > 1.05
-    # ... but the plan uses the time: the median bound iteration is close to the limit; a p90 is no
-    # bound, so a few iterations pass the target while the fit still moves, by little
+    # ... but the plan uses the time: the median bound iteration reaches the limit (0.92 of it with
+    # the fit alone). A median plans to the typical iteration: the margin keeps most under T (here
+    # 13% pass it, while the fit still moves), none by more than the benchmark's +15%
     limit = target * (1 - d.colocated.slo_margin)
-    assert sorted(r.duration_s for r in late)[len(late) // 2] > 0.95 * limit  # 0.92 x with the fit alone
+    assert sorted(r.duration_s for r in late)[len(late) // 2] > 0.95 * limit
     with_decodes = [r.duration_s for r in result.iterations if r.num_decode_tokens]
-    assert sum(t > target for t in with_decodes) <= 0.02 * len(with_decodes)
-    assert max(with_decodes) <= 1.05 * target
+    assert sum(t > target for t in with_decodes) <= 0.15 * len(with_decodes)
+    assert max(with_decodes) <= 1.15 * target

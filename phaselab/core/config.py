@@ -50,9 +50,9 @@ class SchedulerConfig:
     slo_ttft_ms: float = field(default=0.0, metadata={
         "help": "time-to-first-token target (ms; 0 = off): reported as attainment (diagnose); with one target "
                 "for every request, earliest-deadline-first admission is the FCFS order kept"})
-    slo_margin: float = field(default=0.05, metadata={
+    slo_margin: float = field(default=0.1, metadata={
         "help": "fraction of --slo-tbt-ms kept free beyond the measured prediction error: the budget aims at "
-                "T x (1 - margin) with the fit scaled by the recent p90 of measured / predicted"})
+                "T x (1 - margin) with the fit scaled by the recent median of measured / predicted"})
     slo_min_chunk: int = field(default=32, metadata={
         "help": "smallest prefill chunk the adaptive budget chooses while prefill is waiting, even when the "
                 "target cannot be met (that iteration is then marked infeasible)"})

@@ -194,19 +194,18 @@ class BudgetLearner:
     each executed plan and its measured seconds, and the recent prediction error; the scheduler
     reads `planning_coefficients` before the next plan.
 
-    Planning with the fit alone plus a fixed margin was measured too conservative where the fit
-    over-predicts (an overhead that absorbed a loaded warm-up) and too loose where the machine is
-    noisy (18% median error under load against a 10% margin). The planning model is the fit scaled
-    by `error_factor`: the `error_quantile` of measured / predicted over the last `error_window`
-    iterations that carried prefill beside decodes (the only ones a budget is chosen for: the error
-    of decode-only iterations was measured to differ, a fit biased in its overhead more than in its
-    prefill terms), so that a budget planned to the limit lands under it that often, whatever the
-    error is today (1 until `MIN_ERROR_SAMPLES` are seen; within [0.5, 4])."""
+    The planning model is the fit scaled by `error_factor`: the `error_quantile` (median) of
+    measured / predicted over the last `error_window` iterations that carried prefill beside
+    decodes (the only ones a budget is chosen for; decode-only ones were measured to err
+    differently). It corrects the fit's bias (a warm-up under another load leaves it too high and
+    the anchor keeps part of that), not its spread, which the margin covers: a p90 factor was
+    measured to shrink every chunk under spiky load for no gain in the tail (docs/slo.md). 1 until
+    `MIN_ERROR_SAMPLES` are seen; within [0.5, 4]."""
 
     MIN_ERROR_SAMPLES = 8
 
     def __init__(self, fitter: OnlineCostFitter, seed_source: str, error_window: int = 64,
-                 error_quantile: float = 0.9) -> None:
+                 error_quantile: float = 0.5) -> None:
         if error_window < 1 or not 0 < error_quantile <= 1:
             raise ConfigError("error_window must be >= 1 and error_quantile in (0, 1]")
         self.fitter = fitter
