@@ -112,7 +112,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(f"phaselab plan: --verify plans the bundled model ({model.name or model.architecture}), colocated, "
               "on this machine", file=sys.stderr)
         if params is None:
-            params = verifier.calibrate(workload(1.0), max(_csv(ns.budgets, int)), hw)
+            params = verifier.calibrate(workload(1.0), _csv(ns.budgets, int), hw)
     elif hw.name == "cpu" and params is None:
         print("phaselab plan: note: --hardware cpu without --params uses placeholder efficiencies; calibrate on a "
               "run of this machine first (`phaselab simulate calibrate RUN_DIR --out cpu.json`)", file=sys.stderr)
