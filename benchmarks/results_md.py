@@ -340,28 +340,46 @@ def slo_section(r: dict | None) -> list[str]:
            f"{m['loadavg_at_start'][0]:.1f}. TBT targets {', '.join(k + ' ms' for k in keys)} (2x and 4x the "
            f"decode step of the interference streams alone: {step}). Goodput: requests/s with TTFT <= "
            f"{r['ttft_slo_s']:g} s and TPOT <= the target. 'held': ITL p99 <= 1.15 x the target.", ""]
+    if r.get("code_note"):
+        out += [f"Code: {r['code_note']}.", ""]
+    if r.get("rounds"):
+        out += [f"Each configuration ran {r.get('rounds_done', r['rounds'])} time(s), interleaved (round k in forward "
+                "order, the next backward) so that the shared machine's drifting load falls on all alike; the "
+                "figures pool every round's gaps and TTFTs; 'per round' gives each round's ITL p99 / TTFT p50 and "
+                f"the 1-minute load average when it started. Load at the end: {fmt((m.get('loadavg_at_end') or [None])[0])}.", ""]
     for w, results in r["workloads"].items():
         out += [f"### {w}", "",
                 "| config | ITL p50 | ITL p99 | TTFT p50 | TTFT p99 | "
                 + " | ".join(f"TBT attainment @{k} ms" for k in keys) + " | "
-                + " | ".join(f"goodput @{k} ms" for k in keys) + " | adaptive: budget p50, infeasible, pred. error p50 |",
-                "|---|" + "---:|" * (4 + 2 * len(keys)) + "---|"]
+                + " | ".join(f"goodput @{k} ms" for k in keys) + " | adaptive: budget p50, prefill in mixed iterations "
+                "p50, infeasible, pred. error p50, error factor at end | per round: ITL p99 / TTFT p50 (load) |",
+                "|---|" + "---:|" * (4 + 2 * len(keys)) + "---|---|"]
         for name, v in results.items():
             a = v.get("adaptive")
-            extra = (f"{a['budget_p50']:.0f}, {a['num_infeasible']}, {a['prediction_error_p50'] * 100:.0f}%"
+            extra = (f"{a['budget_p50']:.0f}, {fmt(a.get('mixed_prefill_tokens_p50'), 0)}, {a['num_infeasible']}, "
+                     f"{a['prediction_error_p50'] * 100:.0f}%, "
+                     + "/".join(f"{x:.2f}" for x in a.get("error_factor_end") or [] if x is not None)
                      if a else "")
+            per_round = "; ".join(f"{x['itl_p99_s'] * 1e3:.0f} ms / {x['ttft_p50_s']:.2f} s ({x['loadavg_1m_before']:.1f})"
+                                  for x in v.get("rounds", []))
             out.append(f"| {name} | {v['itl_p50_s'] * 1e3:.0f} ms | {v['itl_p99_s'] * 1e3:.0f} ms | "
                        f"{v['ttft_p50_s']:.2f} s | {v['ttft_p99_s']:.2f} s | "
                        + " | ".join(f"{v['at'][k]['tbt_attainment'] * 100:.1f}%"
                                     + (" held" if v["at"][k]["holds"] else "") for k in keys) + " | "
-                       + " | ".join(f"{v['at'][k]['goodput_rps']:.3f}/s" for k in keys) + f" | {extra} |")
+                       + " | ".join(f"{v['at'][k]['goodput_rps']:.3f}/s" for k in keys) + f" | {extra} | {per_round} |")
         for c in r["acceptance"].get(w, []):
             verdict = ("no fixed budget holds it here: nothing to match" if c["passed"] is None
                        else f"adaptive TTFT p50 / best holding fixed ({c['best_fixed']}) = {c['ttft_ratio']:.2f}; "
                             f"{'PASS' if c['passed'] else 'MISS'}")
-            out.append(f"\nTarget {c['target_ms']:g} ms: fixed budgets that hold it: "
+            out.append(f"\nTarget {c['target_ms']:g} ms (all rounds pooled): fixed budgets that hold it: "
                        f"{', '.join(c['fixed_that_hold']) or 'none'}; adaptive holds it: {c['adaptive_holds']}; "
                        f"{verdict}.")
+        for i, checks in enumerate(r.get("acceptance_per_round", {}).get(w, []), start=1):
+            out.append(f"\nRound {i} alone: " + "; ".join(
+                f"{c['target_ms']:g} ms: " + ("nothing to match" if c["passed"] is None else
+                                              f"{'PASS' if c['passed'] else 'MISS'} (TTFT ratio {c['ttft_ratio']:.2f}, "
+                                              f"adaptive {'holds' if c['adaptive_holds'] else 'does not hold'})")
+                for c in checks) + ".")
         out.append("")
     return out
 
@@ -403,6 +421,32 @@ def served_sections(results: str, served: str | None) -> list[str]:
     return out
 
 
+def _plan_args(a: dict) -> str:
+    keys = ("hardware", "slo_ttft_ms", "slo_tbt_ms", "attainment", "num_prompts", "input_len", "output_len", "budgets",
+            "max_num_seqs", "params", "verify_top")
+    return "`" + " ".join(f"--{k.replace('_', '-')} {a[k]}" for k in keys if a.get(k) is not None) + "`"
+
+
+def plan_verify_section(r: dict | None) -> list[str]:
+    """`phaselab plan --verify` on this machine (issue 17): predicted vs measured goodput."""
+    if r is None or "verify" not in r:
+        return ["## plan --verify", "", "Run `phaselab plan --hardware cpu ... --verify --result-json "
+                "benchmarks/results/plan_verify.json` (command in docs/slo.md).", ""]
+    v = r["verify"]
+    out = ["## `phaselab plan --verify` on this machine (issue 17)", "",
+           f"Arguments: {_plan_args(r.get('arguments') or {})}. {r['definition']}. Verified: each configuration run for "
+           "real (bundled model, in process) at its planned rate; goodput there = requests meeting both SLOs per "
+           f"second of the run. Tolerance {v['tolerance']:.0%}.", "",
+           "| rank | configuration | planned rate | attainment pred. | attainment meas. | goodput pred. | "
+           "goodput meas. | error | load | verdict |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for i, row in enumerate(v["rows"], start=1):
+        out.append(f"| {i} | {row['configuration']} | {row['rate']:.3g}/s | {row['attainment_predicted']:.0%} | "
+                   f"{row['attainment_measured']:.0%} | {row['goodput_predicted']:.3g}/s | "
+                   f"{row['goodput_measured']:.3g}/s | {row['goodput_error']:+.0%} | {row['loadavg_1m']:.1f} | "
+                   f"{'within' if row['within_tolerance'] else 'OUTSIDE'} |")
+    return out + [""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -435,6 +479,7 @@ def main() -> None:
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))
+    lines += plan_verify_section(load(os.path.join(ns.results, "plan_verify.json")))
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")

@@ -17,6 +17,10 @@ TBT attainment at each target (share of gaps within it), TTFT p50/p99, and goodp
 (DistServe's: completed requests per second whose TTFT <= --ttft-slo-s and TPOT <= the target).
 The acceptance check, per workload and target: adaptive holds its target (ITL p99 <= 1.15 T)
 wherever some fixed budget does, with TTFT p50 within 10% of the best fixed budget that holds it.
+Every configuration runs --rounds times, interleaved (round k in forward order, round k+1 backward),
+so that the load of the shared machine, which drifts during a benchmark, falls on all configurations
+alike; each run's 1-minute load average is recorded next to it, the metrics pool every round's gaps
+and TTFTs, and the acceptance is also given per round.
 Writes benchmarks/results/slo_serving.json (--out), machine and versions included.
 """
 
@@ -58,31 +62,52 @@ def pct(values: list[float], p: float) -> float | None:
     return float(np.percentile(values, p)) if values else None
 
 
-def measure(engine: Any, arrivals: list[Arrival], targets: list[float], ttft_slo_s: float) -> dict[str, Any]:
-    n_req, n_it = len(engine.finished_requests), len(engine.iterations)
+def run_once(engine: Any, arrivals: list[Arrival]) -> dict[str, Any]:
+    """One run of `arrivals` on a fresh engine: its requests and iterations, wall time and the load
+    average around it (the machine is shared: a run's numbers are read with its load)."""
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     run_arrivals(engine, arrivals)
     wall = time.monotonic() - t0
-    reqs = engine.finished_requests[n_req:]
-    iters = engine.iterations[n_it:]
+    learner = getattr(engine, "budget_learner", None)
+    return {"requests": list(engine.finished_requests), "iterations": list(engine.iterations), "wall_s": wall,
+            "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+            "error_factor": learner.error_factor if learner is not None else None}
+
+
+def summarize(runs: list[dict[str, Any]], targets: list[float], ttft_slo_s: float) -> dict[str, Any]:
+    """The metrics of a configuration over its runs, pooled (every gap and TTFT of every round), and
+    each round's ITL p99 / TTFT p50 / load next to it, so a pooled figure can be read against its spread."""
+    reqs = [m for r in runs for m in r["requests"]]
+    iters = [it for r in runs for it in r["iterations"]]
     gaps = [g for m in reqs for g in m.itl_s]
     ttfts = [m.ttft_s for m in reqs if m.ttft_s is not None]
-    span = (max(m.finished_ns for m in reqs) - min(m.arrived_ns for m in reqs)) / 1e9 if reqs else 0.0
+    spans = [(max(m.finished_ns for m in r["requests"]) - min(m.arrived_ns for m in r["requests"])) / 1e9
+             for r in runs if r["requests"]]
+    span = sum(spans)
     decode_iters = [r.duration_s for r in iters if r.num_decode_tokens]
     out: dict[str, Any] = {
-        "num_requests": len(reqs), "wall_s": wall, "span_s": span,
+        "num_runs": len(runs), "num_requests": len(reqs), "wall_s": sum(r["wall_s"] for r in runs), "span_s": span,
         "itl_p50_s": pct(gaps, 50), "itl_p99_s": pct(gaps, 99),
         "ttft_p50_s": pct(ttfts, 50), "ttft_p99_s": pct(ttfts, 99),
         "decode_iteration_p50_s": pct(decode_iters, 50), "decode_iteration_p99_s": pct(decode_iters, 99),
         "num_iterations": len(iters), "at": {},
+        "rounds": [{"itl_p99_s": pct([g for m in r["requests"] for g in m.itl_s], 99),
+                    "ttft_p50_s": pct([m.ttft_s for m in r["requests"] if m.ttft_s is not None], 50),
+                    "wall_s": r["wall_s"], "loadavg_1m_before": r["loadavg_1m_before"],
+                    "loadavg_1m_after": r["loadavg_1m_after"]} for r in runs],
     }
     budgets = [r.prefill_budget for r in iters if r.prefill_budget is not None]
     if budgets:
         pred = [abs(r.predicted_ns / 1e9 - r.duration_s) / r.duration_s for r in iters
                 if r.predicted_ns is not None and r.duration_s > 0]
+        mixed = [r for r in iters if r.num_decode_tokens and r.num_prefill_tokens]
         out["adaptive"] = {"budget_p50": pct(budgets, 50), "budget_min": min(budgets), "budget_max": max(budgets),
+                           # the budget where it binds: iterations with decodes and prefill waiting
+                           "mixed_prefill_tokens_p50": pct([r.num_prefill_tokens for r in mixed], 50),
                            "num_infeasible": sum(1 for r in iters if r.slo_feasible is False),
-                           "prediction_error_p50": pct(pred, 50), "prediction_error_p90": pct(pred, 90)}
+                           "prediction_error_p50": pct(pred, 50), "prediction_error_p90": pct(pred, 90),
+                           "error_factor_end": [r["error_factor"] for r in runs]}
     for t in targets:
         good = [m for m in reqs if m.ttft_s is not None and m.ttft_s <= ttft_slo_s
                 and (m.tpot_s is None or m.tpot_s <= t)]
@@ -123,6 +148,8 @@ def main() -> int:
     ap.add_argument("--slo-tbt-ms", default=None, help="the two adaptive targets (default: 2x and 4x the decode step)")
     ap.add_argument("--ttft-slo-s", type=float, default=10.0, help="TTFT target of goodput (default 10 s on a CPU)")
     ap.add_argument("--rate", type=float, default=None, help="Poisson mix: requests per second (default 1.0)")
+    ap.add_argument("--num-mix", type=int, default=None, help="Poisson mix: requests (default 40; --quick 12)")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration (default 2)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "slo_serving.json"))
     ns = ap.parse_args()
@@ -138,7 +165,7 @@ def main() -> int:
     inter = (InterferenceParams.in_tokens(4, 16, num_streams=3, stream_input_len=48, stream_output_len=48,
                                           num_long_prompts=2, long_input_len=768, long_output_len=4) if ns.quick
              else InterferenceParams.in_tokens(8, 24, stream_output_len=96))  # compare's interference
-    mix = poisson_arrivals(12 if ns.quick else 40, ns.rate or 1.0)
+    mix = poisson_arrivals(ns.num_mix or (12 if ns.quick else 40), ns.rate or 1.0)
     workloads = {"interference": interference_arrivals(inter), "poisson": mix}
     dtype, dtype_why = resolve_dtype(ns.dtype)
     print(f"loading the bundled model ({dtype}: {dtype_why})", file=sys.stderr)
@@ -169,25 +196,39 @@ def main() -> int:
                     "torch_num_threads": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                     "dtype": str(dtype)},
         "decode_step_s": step, "targets_s": targets, "ttft_slo_s": ns.ttft_slo_s, "budgets": budgets,
-        "workloads": {}, "acceptance": {},
+        "rounds": ns.rounds, "workloads": {}, "acceptance": {}, "acceptance_per_round": {},
     }
     try:
         with open("/proc/cpuinfo") as f:
             report["machine"]["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
     except OSError:
         pass
-    for wname, arrivals in workloads.items():
-        results: dict[str, dict[str, Any]] = {}
-        for name, kw in configs:
-            print(f"[{wname}] {name} ({len(arrivals)} requests)", file=sys.stderr)
-            e = engine(**kw)
-            results[name] = measure(e, arrivals, targets, ns.ttft_slo_s)
-            r = results[name]
-            print(f"    ITL p50 {r['itl_p50_s'] * 1e3:.0f} ms p99 {r['itl_p99_s'] * 1e3:.0f} ms; TTFT p50 "
-                  f"{r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s; wall {r['wall_s']:.0f} s", file=sys.stderr)
-            e.shutdown()
+    # Interleaved: round k runs every configuration once, in forward order on even rounds and
+    # backward on odd ones, so a load that drifts during the benchmark falls on all of them alike
+    # (run one after another, the last configuration met a different machine than the first).
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {name: [] for name, _ in configs} for w in workloads}
+    for k in range(ns.rounds):  # every workload in each round: a cut-short benchmark still has both
+        for wname, arrivals in workloads.items():
+            order = configs if k % 2 == 0 else configs[::-1]
+            for name, kw in order:
+                print(f"[round {k + 1}/{ns.rounds} {wname}] {name} ({len(arrivals)} requests, load "
+                      f"{os.getloadavg()[0]:.1f})", file=sys.stderr)
+                e = engine(**kw)
+                run = run_once(e, arrivals)
+                e.shutdown()
+                runs[wname][name].append(run)
+                r = summarize([run], targets, ns.ttft_slo_s)
+                print(f"    ITL p50 {r['itl_p50_s'] * 1e3:.0f} ms p99 {r['itl_p99_s'] * 1e3:.0f} ms; TTFT p50 "
+                      f"{r['ttft_p50_s']:.2f} s p99 {r['ttft_p99_s']:.2f} s; wall {r['wall_s']:.0f} s", file=sys.stderr)
+            wr = runs[wname]
+            results = {name: summarize(rs, targets, ns.ttft_slo_s) for name, rs in wr.items() if rs}
             report["workloads"][wname] = results
             report["acceptance"][wname] = acceptance(results, targets)
+            report["acceptance_per_round"][wname] = [
+                acceptance({name: summarize([rs[i]], targets, ns.ttft_slo_s) for name, rs in wr.items()}, targets)
+                for i in range(k + 1)]
+            report["rounds_done"] = k + 1
+            report["machine"]["loadavg_at_end"] = list(os.getloadavg())
             os.makedirs(os.path.dirname(ns.out), exist_ok=True)
             with open(ns.out, "w", encoding="utf-8") as f:
                 json.dump(report, f, indent=2)

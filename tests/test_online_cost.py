@@ -107,3 +107,28 @@ def test_the_warm_up_anchor_keeps_what_serving_stops_measuring():
         errors[anchored] = abs(fitter.predict(iteration_features(*big)) / TRUE.predict(*big) - 1)
     assert errors[True] < 0.1
     assert errors[True] < errors[False]
+
+
+def test_planning_scales_the_fit_by_the_recent_error_of_mixed_iterations():
+    """A machine 1.6x slower than a fit that is not allowed to move (a prior that holds it): the
+    planning model is the fit times the median of measured / predicted of the iterations that carried
+    prefill beside decodes; decode-only iterations (here measured at 3x) do not count; 1 until 8 seen."""
+    rng = random.Random(3)
+    frozen = FitterConfig(noise_s=1e3, prior_relative_std=1e-9)  # data weigh nothing against the seed
+    learner = BudgetLearner(OnlineCostFitter(TRUE, frozen), "test")
+    blocks = list(range(256))
+    for i in range(40):  # decode-only, 3x slower than the fit: no effect on the factor
+        decodes = [rng.randint(16, 1000) for _ in range(rng.randint(1, 16))]
+        learner.observe(shape_plan(i, [], decodes, blocks, 16), 3 * TRUE.predict([], decodes))
+    assert learner.error_factor == 1.0
+    slowdowns = []
+    for i in range(64):
+        chunks, decodes = [(rng.randint(16, 256), rng.randint(0, 512))], [rng.randint(16, 1000) for _ in range(4)]
+        slowdowns.append(1.6 + 0.1 * rng.random())  # measured = 1.6 to 1.7 x the truth the fit holds
+        learner.observe(shape_plan(100 + i, chunks, decodes, blocks, 16), slowdowns[-1] * TRUE.predict(chunks, decodes))
+        if i < 7:
+            assert learner.error_factor == 1.0
+    expected = sorted(slowdowns)[31]  # the 32nd of 64: ceil(0.5 x 64)
+    assert learner.error_factor == pytest.approx(expected, rel=1e-6)
+    assert learner.planning_coefficients.as_tuple() == pytest.approx(
+        tuple(expected * c for c in learner.coefficients.as_tuple()), rel=1e-6)

@@ -150,3 +150,37 @@ def test_timeline_carries_the_budget_and_the_target(tmp_path):
     assert any(it[3] and it[1] - it[0] > 0.012 for it in iters)  # the injected slow iterations, outlined
     assert render_png([t], tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     assert '"slo_tbt_s":0.012' in render_timeline_page([t]).replace(' ', '')
+
+
+class LoadedWarmUpCostModel(LinearCostModel):
+    """The perfect model, except that the warm-up (its synthetic plans carry negative iteration
+    ids) ran while another process held the machine: twice as slow as serving. The fit starts
+    100% too high and keeps a quarter of the warm-up without decay (the anchor)."""
+
+    def predict(self, plan):  # type: ignore[no-untyped-def]
+        cost = super().predict(plan)
+        return IterationCost(cost.duration_ns * 2) if plan.iteration_id < 0 else cost
+
+
+def test_planning_corrects_a_fit_biased_by_a_loaded_warm_up():
+    """The budget is planned with the fit scaled by the recent median of measured / predicted: a fit
+    left too high by a loaded warm-up would hold prefill to a fraction of what fits; the scaled
+    plan fills the iterations up to the limit and still holds the target (truth: the cost model's
+    own times, which the fitter only sees through the iterations)."""
+    target = 12e-3
+    d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=4096, slo_tbt_ms=target * 1e3,
+                                                      slo_min_chunk=16))
+    result = simulate(d, _interference(), cost_model_factory=lambda *_: LoadedWarmUpCostModel())
+    bound = [r for r in result.iterations if r.num_decode_tokens and r.budget_reason == "target"]
+    assert len(bound) >= 20
+    late = bound[len(bound) // 4:]  # once the error window has filled
+    # the fit itself still over-predicts (the anchor keeps part of the warm-up) ...
+    assert sorted(r.predicted_ns / (r.end_ns - r.start_ns) for r in late)[len(late) // 2] > 1.05
+    # ... but the plan uses the time: the median bound iteration reaches the limit (0.92 of it with
+    # the fit alone). A median plans to the typical iteration: the margin keeps most under T (here
+    # 13% pass it, while the fit still moves), none by more than the benchmark's +15%
+    limit = target * (1 - d.colocated.slo_margin)
+    assert sorted(r.duration_s for r in late)[len(late) // 2] > 0.95 * limit
+    with_decodes = [r.duration_s for r in result.iterations if r.num_decode_tokens]
+    assert sum(t > target for t in with_decodes) <= 0.15 * len(with_decodes)
+    assert max(with_decodes) <= 1.15 * target

@@ -51,7 +51,8 @@ class SchedulerConfig:
         "help": "time-to-first-token target (ms; 0 = off): reported as attainment (diagnose); with one target "
                 "for every request, earliest-deadline-first admission is the FCFS order kept"})
     slo_margin: float = field(default=0.1, metadata={
-        "help": "fraction of --slo-tbt-ms kept free for prediction error: the budget aims at T x (1 - margin)"})
+        "help": "fraction of --slo-tbt-ms kept free beyond the measured prediction error: the budget aims at "
+                "T x (1 - margin) with the fit scaled by the recent median of measured / predicted"})
     slo_min_chunk: int = field(default=32, metadata={
         "help": "smallest prefill chunk the adaptive budget chooses while prefill is waiting, even when the "
                 "target cannot be met (that iteration is then marked infeasible)"})

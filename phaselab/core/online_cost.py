@@ -27,6 +27,7 @@ Pure: no clock, no random, no torch; the engine (or the simulator) passes the nu
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -190,28 +191,62 @@ class OnlineCostFitter:
 
 class BudgetLearner:
     """What an engine loop (real or simulated) keeps for the adaptive budget: the fitter, fed with
-    each executed plan and its measured seconds; the scheduler reads `coefficients` before the next plan."""
+    each executed plan and its measured seconds, and the recent prediction error; the scheduler
+    reads `planning_coefficients` before the next plan.
 
-    def __init__(self, fitter: OnlineCostFitter, seed_source: str) -> None:
+    The planning model is the fit scaled by `error_factor`: the `error_quantile` (median) of
+    measured / predicted over the last `error_window` iterations that carried prefill beside
+    decodes (the only ones a budget is chosen for; decode-only ones were measured to err
+    differently). It corrects the fit's bias (a warm-up under another load leaves it too high and
+    the anchor keeps part of that), not its spread, which the margin covers: a p90 factor was
+    measured to shrink every chunk under spiky load for no gain in the tail (docs/slo.md). 1 until
+    `MIN_ERROR_SAMPLES` are seen; within [0.5, 4]."""
+
+    MIN_ERROR_SAMPLES = 8
+
+    def __init__(self, fitter: OnlineCostFitter, seed_source: str, error_window: int = 64,
+                 error_quantile: float = 0.5) -> None:
+        if error_window < 1 or not 0 < error_quantile <= 1:
+            raise ConfigError("error_window must be >= 1 and error_quantile in (0, 1]")
         self.fitter = fitter
         self.seed_source = seed_source  # where the starting coefficients came from (recorded with the run)
+        self.error_quantile = error_quantile
+        self._ratios: deque[float] = deque(maxlen=error_window)  # measured / predicted, recent iterations
 
     @property
     def coefficients(self) -> IterationCostCoefficients:
+        """The fitted model (what `observe` returns predictions of)."""
         return self.fitter.coefficients
+
+    @property
+    def error_factor(self) -> float:
+        if len(self._ratios) < self.MIN_ERROR_SAMPLES:
+            return 1.0
+        ranked = sorted(self._ratios)
+        q = ranked[min(len(ranked) - 1, math.ceil(self.error_quantile * len(ranked)) - 1)]
+        return min(max(q, 0.5), 4.0)
+
+    @property
+    def planning_coefficients(self) -> IterationCostCoefficients:
+        """The fit scaled by the recent error quantile: what the budget is planned with."""
+        f = self.error_factor
+        return IterationCostCoefficients.from_tuple(c * f for c in self.coefficients.as_tuple())
 
     def predict(self, plan: SchedulerOutput) -> float:
         return self.coefficients.predict_features(plan_features(plan.scheduled))
 
     def observe(self, plan: SchedulerOutput, measured_s: float) -> float:
-        """Learn from one executed plan; returns what the model predicted for it beforehand."""
+        """Learn from one executed plan; returns what the fitted model predicted for it beforehand."""
         features = plan_features(plan.scheduled)
         predicted = self.coefficients.predict_features(features)
+        if predicted > 0 and features[1] and features[3]:  # where the budget binds: prefill beside decodes
+            self._ratios.append(measured_s / predicted)
         self.fitter.update(features, measured_s)
         return predicted
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.fitter.to_json(), "seed_source": self.seed_source}
+        return {**self.fitter.to_json(), "seed_source": self.seed_source, "error_factor": self.error_factor,
+                "error_quantile": self.error_quantile, "error_window": self._ratios.maxlen}
 
 
 def _solve_linear(A: list[list[float]], y: list[float]) -> list[float] | None:

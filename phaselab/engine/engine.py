@@ -330,7 +330,7 @@ class LLMEngine:
         predicted = None
         if self.budget_learner is not None and not plan.is_empty:  # learn, then plan the next with it
             predicted = self.budget_learner.observe(plan, (t3 - t0) / 1e9)
-            self.scheduler.set_cost_coefficients(self.budget_learner.coefficients)
+            self.scheduler.set_cost_coefficients(self.budget_learner.planning_coefficients)
         if self.recording:
             self._record_iteration(plan, result, t0, t1, t2, t3, predicted)
         self.last_plan = plan
@@ -396,7 +396,8 @@ class LLMEngine:
         pool = sched.kv_cache_manager.block_pool
         self.metrics.observe_iteration(rec, rec.num_running, rec.num_waiting, pool.usage, pool.num_used_blocks)
         if self.budget_learner is not None:
-            self.metrics.observe_budget(rec, self.budget_learner.coefficients.to_json())
+            learner = self.budget_learner  # the fit, and the error factor the plan scales it by
+            self.metrics.observe_budget(rec, {**learner.coefficients.to_json(), "error_factor": learner.error_factor})
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """fp32 logits at every position of one sequence (teacher forcing), outside the loop.

@@ -333,7 +333,7 @@ class Simulator:
         predicted = None
         if w.learner is not None:  # learn from the iteration's time, as LLMEngine.step does
             predicted = w.learner.observe(plan, (end - start) / NS)
-            sched.set_cost_coefficients(w.learner.coefficients)
+            sched.set_cost_coefficients(w.learner.planning_coefficients)
         if self.check_invariants:
             sched.check_invariants()
         w.busy = False

@@ -9,8 +9,10 @@
     ─▶ the top configurations, with goodput per GPU
 
 The TBT target serves twice: as the goodput's TPOT bound and as the adaptive candidates' target.
-What is not built yet: `--verify` (run the top two for real through serve + bench and print
-predicted vs measured side by side); the plan says so instead of pretending.
+`--verify` (this machine only: --hardware cpu, the bundled model, colocated) calibrates the
+simulator on a short run unless --params is given, plans, then runs the top configurations for
+real at their planned rate and prints predicted vs measured attainment and goodput (sim/verify.py);
+exit 3 when a measured goodput is off by more than --verify-tolerance.
 """
 
 from __future__ import annotations
@@ -53,7 +55,14 @@ def add_plan_parser(sub: Any) -> None:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--bisections", type=int, default=5, help="rate bisection steps (default: 5)")
     p.add_argument("--top", type=int, default=5, help="configurations to print (default: 5)")
-    p.add_argument("--verify", action="store_true", help="run the top two for real (not built yet: refused)")
+    v = p.add_argument_group("verify (this machine)")
+    v.add_argument("--verify", action="store_true",
+                   help="run the top colocated configurations for real with the bundled model at their planned rate "
+                        "and compare with the prediction (needs --hardware cpu; calibrates first unless --params)")
+    v.add_argument("--verify-top", type=int, default=2, help="configurations to run (default: 2)")
+    v.add_argument("--verify-tolerance", type=float, default=0.2,
+                   help="largest |measured - predicted| / predicted goodput that passes (default: 0.2)")
+    v.add_argument("--verify-dir", default=None, help="write each measured run's run directory under this folder")
     p.add_argument("--result-json", default=None, help="write every candidate, ranked, here")
 
 
@@ -83,16 +92,28 @@ def run_plan(ns: argparse.Namespace) -> int:
     from phaselab.sim.cost import CostParams
     from phaselab.sim.search import SLO, candidates, random_workload_at, search
 
-    if ns.verify:
-        raise ConfigError("--verify (running the top configurations through serve + bench) is not built yet; "
-                          "run the plan without it and check a configuration with `phaselab serve` + "
-                          "`phaselab bench`")
     if ns.slo_ttft_ms <= 0 or ns.slo_tbt_ms <= 0:
         raise ConfigError("--slo-ttft-ms and --slo-tbt-ms must be > 0 (milliseconds)")
     slo = SLO("goodput", ns.slo_ttft_ms / 1e3, ns.slo_tbt_ms / 1e3, ns.attainment)
     model, hw = resolve_model(ns.model), get_hardware(ns.hardware)
     params = CostParams.load(ns.params) if ns.params else None
-    if hw.name == "cpu" and params is None:
+    workload = (trace_workload_at(ns.trace, ns.num_prompts) if ns.trace
+                else random_workload_at(ns.num_prompts, ns.input_len, ns.output_len, ns.seed))
+    verifier = None
+    if ns.verify:
+        from phaselab.sim.verify import Verifier
+
+        if hw.name != "cpu":
+            raise ConfigError(f"--verify runs the planned configurations on this machine; plan with --hardware cpu "
+                              f"(got {hw.name!r}), or drop --verify to plan for {hw.name} by simulation alone")
+        verifier = Verifier("float32" if ns.dtype == "float32" else "bfloat16")
+        model = verifier.model  # the model that will run, as loaded
+        ns.modes, ns.tps = "colocated", "1"
+        print(f"phaselab plan: --verify plans the bundled model ({model.name or model.architecture}), colocated, "
+              "on this machine", file=sys.stderr)
+        if params is None:
+            params = verifier.calibrate(workload(1.0), _csv(ns.budgets, int), hw)
+    elif hw.name == "cpu" and params is None:
         print("phaselab plan: note: --hardware cpu without --params uses placeholder efficiencies; calibrate on a "
               "run of this machine first (`phaselab simulate calibrate RUN_DIR --out cpu.json`)", file=sys.stderr)
     deps = candidates(model, hw, ns.max_gpus, _csv(ns.modes, str), _csv(ns.tps, int), _csv(ns.budgets, int),
@@ -100,8 +121,6 @@ def run_plan(ns: argparse.Namespace) -> int:
                       adaptive_tbt_ms=(ns.slo_tbt_ms,), max_num_seqs=_csv(ns.max_num_seqs, int))
     if not deps:
         raise ConfigError(f"no deployment of {model.name} fits {ns.max_gpus} x {hw.name}; raise --max-gpus")
-    workload = (trace_workload_at(ns.trace, ns.num_prompts) if ns.trace
-                else random_workload_at(ns.num_prompts, ns.input_len, ns.output_len, ns.seed))
     print(f"objective: {slo.definition()}")
     print(f"planning {model.name} on {hw.name}: {len(deps)} configurations, {ns.num_prompts} requests per simulation",
           file=sys.stderr)
@@ -114,8 +133,21 @@ def run_plan(ns: argparse.Namespace) -> int:
     print(f"{'rank':>4}  {'goodput/GPU':>11}  {'goodput':>8}  {'attain':>6}  configuration")
     for i, c in enumerate(ranked[: ns.top], start=1):
         print(f"{i:>4}  {c.per_gpu:>9.3g}/s  {c.rate:>6.3g}/s  {c.figure:>6.0%}  {c.deployment.describe()}")
-    print("predicted by the simulator (phaselab/sim); not verified by a real run (--verify is not built yet)")
+    out = {**result.to_json(), "arguments": {k: v for k, v in vars(ns).items()
+                                             if isinstance(v, (str, int, float, bool, type(None)))}}
+    code = 0 if result.best else 1
+    if verifier is None:
+        print("predicted by the simulator (phaselab/sim); not verified by a real run (--verify runs them on this "
+              "machine)")
+    else:
+        from phaselab.sim.verify import render, verify
+
+        rows = verify(ranked, workload, slo, verifier, ns.verify_top, ns.verify_tolerance, ns.verify_dir)
+        print(render(rows, ns.verify_tolerance))
+        out["verify"] = {"tolerance": ns.verify_tolerance, "rows": [r.to_json(ns.verify_tolerance) for r in rows]}
+        if not all(r.within(ns.verify_tolerance) for r in rows):
+            code = 3
     if ns.result_json:
         with open(ns.result_json, "w", encoding="utf-8") as f:
-            json.dump(result.to_json(), f, indent=2, default=str)
-    return 0 if result.best else 1
+            json.dump(out, f, indent=2, default=str)
+    return code

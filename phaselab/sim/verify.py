@@ -1,0 +1,199 @@
+"""`phaselab plan --verify`: run the planned configurations for real on this machine and put the
+measured figures next to the predicted ones (issue 17, item 3).
+
+    calibration run   (unless --params): the plan's workload, every request at once, on a chunked
+                      engine with the bundled model; the simulator's cost parameters are fitted to
+                      its iterations (sim/calibrate.py), so prediction and measurement share a load
+    plan              the search of sim/plan.py with those parameters
+    verification      the top colocated configurations, each at its planned rate R (its predicted
+                      goodput): the same seeded requests (random token ids of the same lengths,
+                      the same arrival times, EOS ignored) run through the engine in process with the
+                      same scheduler options (workload/driver.run_arrivals), and simulated again
+    compared          attainment at R, and goodput at R = the requests meeting both SLOs per second
+                      of the run (first arrival to last finish), predicted vs measured; a run whose
+                      goodput is off by more than --verify-tolerance (20%) fails the plan (exit 3)
+
+The measured runs' run directories go to --verify-dir when given (requests.jsonl: what the
+measured figures count). The planning target stays the simulator's; this only checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from phaselab.errors import ConfigError
+
+KV_CACHE_MEMORY = "1GiB"
+
+
+@dataclass
+class VerifyRow:
+    configuration: str
+    rate: float  # the planned rate (predicted goodput, DistServe)
+    num_requests: int
+    attainment_predicted: float
+    attainment_measured: float
+    goodput_predicted: float  # good requests / s of the simulated run at `rate`
+    goodput_measured: float  # good requests / s of the real run at `rate`
+    loadavg_1m: float  # this machine's load when the real run started
+    run_dir: str | None = None
+
+    @property
+    def error(self) -> float:
+        """(measured - predicted) / predicted goodput; inf when the prediction is 0 and the measure is not."""
+        if self.goodput_predicted > 0:
+            return (self.goodput_measured - self.goodput_predicted) / self.goodput_predicted
+        return 0.0 if self.goodput_measured == 0 else float("inf")
+
+    def within(self, tolerance: float) -> bool:
+        return abs(self.error) <= tolerance
+
+    def to_json(self, tolerance: float) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "goodput_error": self.error, "within_tolerance": self.within(tolerance)}
+
+
+def good_and_span(requests: Sequence[Any], ttft_s: float, tpot_s: float) -> tuple[int, float]:
+    """Requests meeting both SLOs (sim.report.slo_attainment's rule) and the run's span in seconds
+    (first arrival to last finish)."""
+    from phaselab.sim.report import slo_attainment
+
+    if not requests:
+        return 0, 0.0
+    good = round(slo_attainment(requests, ttft_s, tpot_s) * len(requests))
+    span = (max(m.finished_ns for m in requests) - min(m.arrived_ns for m in requests)) / 1e9
+    return good, span
+
+
+class Verifier:
+    """The bundled model, loaded once; a fresh engine per run."""
+
+    def __init__(self, dtype: str = "auto", log: Callable[[str], None] | None = None) -> None:
+        from phaselab.engine.engine import resolve_dtype
+        from phaselab.model.loader import load_checkpoint
+
+        self.log = log or (lambda text: print(text, file=sys.stderr))
+        self.dtype, why = resolve_dtype(dtype)
+        self.log(f"verify: loading the bundled model ({self.dtype}: {why})")
+        self.checkpoint = load_checkpoint(None, self.dtype)
+        self.model = self.checkpoint.config
+        self.dtype_bytes = 4 if str(self.dtype).endswith("float32") else 2
+
+    def engine(self, sched: Any, max_model_len: int) -> Any:
+        from phaselab.config import EngineArgs
+        from phaselab.serving_engine import make_engine
+
+        args = EngineArgs(dtype=str(self.dtype).removeprefix("torch."), kv_cache_memory=KV_CACHE_MEMORY,
+                          max_model_len=max_model_len, policy=sched.policy,
+                          max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+                          long_prefill_token_threshold=sched.long_prefill_token_threshold,
+                          max_num_partial_prefills=sched.max_num_partial_prefills, slo_tbt_ms=sched.slo_tbt_ms,
+                          slo_margin=sched.slo_margin, slo_min_chunk=sched.slo_min_chunk)
+        return make_engine(args, checkpoint=self.checkpoint)
+
+    def run(self, sched: Any, requests: Sequence[Any], run_dir: str | None = None) -> tuple[list[Any], float]:
+        """The simulator's requests for real (same lengths and arrival offsets); their metrics and the
+        load average at the start."""
+        import numpy as np
+
+        from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
+
+        rng = np.random.default_rng(0)
+        arrivals = [Arrival(r.request_id, random_prompt(rng, r.num_prompt_tokens),
+                            r.output_len if r.output_len is not None else r.max_tokens, "plan",
+                            at_s=r.offset_ns / 1e9) for r in requests]
+        max_len = max(r.num_prompt_tokens + (r.output_len or r.max_tokens) for r in requests) + 1
+        engine = self.engine(sched, max(max_len, 64))
+        load = os.getloadavg()[0]
+        run_arrivals(engine, arrivals)
+        metrics = list(engine.finished_requests)
+        if run_dir is not None:
+            engine.write_record(run_dir)
+        engine.shutdown()
+        return metrics, load
+
+    def calibrate(self, requests: Sequence[Any], budgets: Sequence[int], hardware: Any) -> Any:
+        """Cost parameters fitted to runs of `requests`, all at once (prefill chunks of every size the
+        budget allows, then decode batches shrinking as they finish): a first pass at the largest
+        budget pays first-touch costs and is not fitted, then one fitted pass per planned budget (a
+        fit on the largest alone was measured 62% off for 64-token chunks: their per-iteration
+        costs were extrapolated). Weighted in seconds (`absolute`): what a rate's goodput depends
+        on is the run's total time, which the other weightings bias low."""
+        import numpy as np
+
+        from phaselab.core.config import SchedulerConfig
+        from phaselab.sim.calibrate import fit_params, iteration_cycles
+        from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
+
+        max_len = max(max(r.num_prompt_tokens + (r.output_len or r.max_tokens) for r in requests) + 1, 64)
+        rng = np.random.default_rng(1)
+        iters: list[Any] = []
+        for k, budget in enumerate([max(budgets), *budgets]):
+            sched = SchedulerConfig.resolve(policy="chunked", max_num_batched_tokens=budget, max_num_seqs=256,
+                                            max_model_len=max_len)
+            engine = self.engine(sched, max_len)
+            run_arrivals(engine, [Arrival(f"calibration-{k}-{r.request_id}", random_prompt(rng, r.num_prompt_tokens),
+                                          r.output_len or r.max_tokens, "calibration", at_s=0.0) for r in requests])
+            if k:
+                iters += sorted(engine.iterations, key=lambda it: it.start_ns)
+            engine.shutdown()
+        fit = fit_params(iters, iteration_cycles(iters), self.model, hardware, self.dtype_bytes,
+                         "plan --verify calibration run", weighting="absolute")
+        summary = fit.summary()
+        self.log(f"verify: calibrated on {len(iters)} iterations ({len(requests)} requests at once, budgets "
+                 f"{', '.join(map(str, budgets))}): "
+                 f"|error| p50 {summary['relative_error_abs_p50']:.0%}, total {summary['total_time_error']:+.0%}")
+        return fit.params
+
+
+def verify(ranked: Sequence[Any], workload_at: Callable[[float], list[Any]], slo: Any, verifier: Verifier,
+           top: int, tolerance: float, run_dir: str | None = None) -> list[VerifyRow]:
+    """Run the first `top` colocated candidates of `ranked` for real at their planned rate."""
+    from phaselab.sim.loop import simulate
+    from phaselab.sim.report import slo_attainment
+    from phaselab.workload.arrivals import ArrivalPlan
+
+    chosen = [c for c in ranked if c.error is None and c.rate > 0 and c.deployment.mode == "colocated"][:top]
+    if not chosen:
+        raise ConfigError("no colocated configuration met the SLOs in simulation: nothing to verify; loosen "
+                          "--slo-ttft-ms / --slo-tbt-ms or --attainment")
+    rows = []
+    for i, c in enumerate(chosen, start=1):
+        d = c.deployment
+        requests = workload_at(c.rate)
+        predicted = simulate(d, requests, ArrivalPlan(self_timed=True), record_iterations=False).requests
+        where = None if run_dir is None else os.path.join(run_dir, f"rank-{i}")
+        verifier.log(f"verify [{i}/{len(chosen)}] {d.describe()} at {c.rate:.3g} req/s: {len(requests)} requests")
+        measured, load = verifier.run(d.scheduler_config(d.colocated), requests, where)
+        p_good, p_span = good_and_span(predicted, slo.ttft_s, slo.tpot_s)
+        m_good, m_span = good_and_span(measured, slo.ttft_s, slo.tpot_s)
+        rows.append(VerifyRow(d.describe(), c.rate, len(requests),
+                              slo_attainment(predicted, slo.ttft_s, slo.tpot_s),
+                              slo_attainment(measured, slo.ttft_s, slo.tpot_s),
+                              p_good / p_span if p_span > 0 else 0.0, m_good / m_span if m_span > 0 else 0.0,
+                              load, where))
+    return rows
+
+
+def render(rows: Sequence[VerifyRow], tolerance: float) -> str:
+    lines = ["verified on this machine (the bundled model, in process): goodput at the planned rate = requests "
+             "meeting both SLOs per second of the run",
+             f"{'rank':>4}  {'rate':>8}  {'attain pred':>11}  {'attain meas':>11}  {'goodput pred':>12}  "
+             f"{'goodput meas':>12}  {'error':>6}  {'load':>4}  verdict  configuration"]
+    for i, r in enumerate(rows, start=1):
+        verdict = "ok" if r.within(tolerance) else "OFF"
+        lines.append(f"{i:>4}  {r.rate:>6.3g}/s  {r.attainment_predicted:>11.0%}  {r.attainment_measured:>11.0%}  "
+                     f"{r.goodput_predicted:>10.3g}/s  {r.goodput_measured:>10.3g}/s  {r.error:>+6.0%}  "
+                     f"{r.loadavg_1m:>4.1f}  {verdict:<7}  {r.configuration}")
+    off = [i for i, r in enumerate(rows, start=1) if not r.within(tolerance)]
+    if off:
+        lines.append(f"VERIFY FAILED: measured goodput off the prediction by more than {tolerance:.0%} for rank(s) "
+                     f"{', '.join(map(str, off))}; recalibrate on a run of this machine (`phaselab simulate calibrate "
+                     "RUN_DIR`, or drop --params to calibrate now), or rerun when the machine is quieter (load above)")
+    else:
+        lines.append(f"verify passed: every measured goodput within {tolerance:.0%} of the prediction")
+    return "\n".join(lines)
