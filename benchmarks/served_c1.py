@@ -87,8 +87,11 @@ def run_one(tree: str, port: int, args: argparse.Namespace, work: str, tag: str)
     rec = os.path.join(work, f"srv_{tag}")
     url = f"http://127.0.0.1:{port}"
     with open(os.path.join(work, f"serve_{tag}.log"), "w") as logf:
-        proc = subprocess.Popen([sys.executable, "-m", "phaselab", "serve", "--port", str(port), "--num-threads",
-                                 str(args.threads), "--record", rec], env=env, stdout=logf, stderr=subprocess.STDOUT)
+        argv = ["phaselab", "serve", "--port", str(port), "--num-threads", str(args.threads), "--record", rec]
+        # the server under a given GIL switch interval (an experiment: phaselab itself sets none)
+        launch = ["-c", f"import sys, runpy; sys.setswitchinterval({args.switch_interval}); sys.argv = {argv!r}; "
+                        "runpy.run_module('phaselab', run_name='__main__')"] if args.switch_interval else ["-m", *argv]
+        proc = subprocess.Popen([sys.executable, *launch], env=env, stdout=logf, stderr=subprocess.STDOUT)
     try:
         wait_health(url, proc)
         load_before = os.getloadavg()
@@ -136,6 +139,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="run the server under sys.setswitchinterval(S) (default: Python's 0.005)")
     ap.add_argument("--port", type=int, default=8741)
     ap.add_argument("--note", default="")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "served_c1.json"))
@@ -143,6 +148,7 @@ def main() -> None:
     trees = [t.split("=", 1) for t in args.trees]
     work = tempfile.mkdtemp(prefix="served_c1_")
     result: dict[str, Any] = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": args.threads,
+                              "switch_interval_s": args.switch_interval or sys.getswitchinterval(),
                               "OMP_WAIT_POLICY": "PASSIVE", "workload": f"concurrency 1, {args.prompts} x "
                               f"{args.input_len} -> {args.output_len}, greedy, ignore_eos, 1 warm-up",
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "note": args.note, "runs": []}
