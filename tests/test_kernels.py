@@ -58,10 +58,11 @@ def test_kernel_equals_plain_attention(dtype, tol, H, KVH, D, BS):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
-def test_kernel_reads_only_its_own_blocks():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: widened in registers, not a buffer
+def test_kernel_reads_only_its_own_blocks(dtype):
     """Poisoning every block outside a request's table (and past its length) changes nothing."""
     lens = [20, 33]
-    q, cache, tables, seq_lens = random_layout(2, 9, 3, 64, 16, lens, torch.float32, seed=3)
+    q, cache, tables, seq_lens = random_layout(2, 9, 3, 64, 16, lens, dtype, seed=3)
     cache = cache.contiguous()
     before = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125)
     poisoned = torch.full_like(cache, float("nan"))

@@ -28,14 +28,12 @@
 
 #define MAX_HEAD_DIM 512
 
-/* `n` cached values from element `offset` as float32: the cache itself, or `buf` filled from bf16 */
-static inline const float *row_f32(const void *cache, int bf16, int64_t offset, int64_t n, float *buf) {
-    if (!bf16) return (const float *)cache + offset;
-    const uint16_t *src = (const uint16_t *)cache + offset;
-    uint32_t *dst = (uint32_t *)buf;
-#pragma omp simd
-    for (int64_t d = 0; d < n; d++) dst[d] = ((uint32_t)src[d]) << 16;
-    return buf;
+/* cached element i as float32: a float32 cache, or bf16 bit patterns widened in a register (no
+ * copy through a buffer; with `bf16` a constant after inlining, the loops vectorize either way) */
+static inline __attribute__((always_inline)) float cached(const void *cache, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)cache)[i];
+    union { uint32_t u; float f; } c = {.u = ((uint32_t)((const uint16_t *)cache)[i]) << 16};
+    return c.f;
 }
 
 /* Query heads [h0*G, (h0+nh)*G) of one request against KV heads [h0, h0+nh): for each cached
@@ -44,19 +42,20 @@ static inline const float *row_f32(const void *cache, int bf16, int64_t offset, 
 static inline __attribute__((always_inline)) void attend_one(
     const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t h0,
     int64_t nh, int64_t G, int64_t KVH, int64_t D, int64_t BS, float scale, float *scores, float *acc,
-    float *qg, float *rowbuf, float *out) {
+    float *qg, float *out) {
     const int64_t Q = nh * G; /* query heads handled here */
     for (int64_t j = 0; j < Q * D; j++) qg[j] = q[j] * scale;
     /* scores[j][t] = q_j . k_t(head of j) */
     for (int64_t t0 = 0; t0 < len; t0 += BS) { /* block by block: no division per token */
         const int64_t base = table[t0 / BS] * BS, n = len - t0 < BS ? len - t0 : BS;
         for (int64_t i = 0; i < n; i++) {
-            const float *kr = row_f32(k, bf16, ((base + i) * KVH + h0) * D, nh * D, rowbuf);
+            const int64_t row = ((base + i) * KVH + h0) * D;
             for (int64_t j = 0; j < Q; j++) {
-                const float *qq = qg + j * D, *kk = kr + (j / G) * D;
+                const float *qq = qg + j * D;
+                const int64_t kk = row + (j / G) * D;
                 float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qq[d] * kk[d];
+                for (int64_t d = 0; d < D; d++) s += qq[d] * cached(k, bf16, kk + d);
                 scores[j * len + t0 + i] = s;
             }
         }
@@ -80,13 +79,13 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t t0 = 0; t0 < len; t0 += BS) {
         const int64_t base = table[t0 / BS] * BS, n = len - t0 < BS ? len - t0 : BS;
         for (int64_t i = 0; i < n; i++) {
-            const float *vr = row_f32(v, bf16, ((base + i) * KVH + h0) * D, nh * D, rowbuf);
+            const int64_t row = ((base + i) * KVH + h0) * D;
             for (int64_t j = 0; j < Q; j++) {
                 const float p = scores[j * len + t0 + i];
-                const float *vv = vr + (j / G) * D;
+                const int64_t vv = row + (j / G) * D;
                 float *a = acc + j * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * vv[d];
+                for (int64_t d = 0; d < D; d++) a[d] += p * cached(v, bf16, vv + d);
             }
         }
     }
@@ -96,20 +95,23 @@ static inline __attribute__((always_inline)) void attend_one(
 #define ATTEND_ARGS                                                                                         \
     const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t h0, \
         int64_t nh, int64_t G, int64_t KVH, int64_t D, int64_t BS, float scale, float *scores, float *acc,   \
-        float *qg, float *rowbuf, float *out
+        float *qg, float *out
 typedef void (*attend_fn)(ATTEND_ARGS);
 
-/* the common head sizes get their own copy, with D a constant the compiler unrolls */
+/* the common head sizes get their own copy, with D a constant the compiler unrolls, and so does
+ * the cache dtype (`bf16` a literal: one loop per dtype, no branch in it) */
+#define ATTEND_CALL(BF16, DIM) \
+    attend_one(q, k, v, BF16, table, len, h0, nh, G, KVH, DIM, BS, scale, scores, acc, qg, out)
 static void attend_d64(ATTEND_ARGS) {
     (void)D;
-    attend_one(q, k, v, bf16, table, len, h0, nh, G, KVH, 64, BS, scale, scores, acc, qg, rowbuf, out);
+    if (bf16) ATTEND_CALL(1, 64); else ATTEND_CALL(0, 64);
 }
 static void attend_d128(ATTEND_ARGS) {
     (void)D;
-    attend_one(q, k, v, bf16, table, len, h0, nh, G, KVH, 128, BS, scale, scores, acc, qg, rowbuf, out);
+    if (bf16) ATTEND_CALL(1, 128); else ATTEND_CALL(0, 128);
 }
 static void attend_any(ATTEND_ARGS) {
-    attend_one(q, k, v, bf16, table, len, h0, nh, G, KVH, D, BS, scale, scores, acc, qg, rowbuf, out);
+    if (bf16) ATTEND_CALL(1, D); else ATTEND_CALL(0, D);
 }
 
 int paged_decode(const float *q, const void *k, const void *v, int bf16, const int64_t *tables,
@@ -133,8 +135,7 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
         float *scores = malloc(sizeof(float) * (size_t)(nh * G * max_len));
         float *acc = malloc(sizeof(float) * (size_t)(nh * G * D));
         float *qg = malloc(sizeof(float) * (size_t)(nh * G * D));
-        float *rowbuf = malloc(sizeof(float) * (size_t)(nh * D));
-        const int ok = scores && acc && qg && rowbuf;
+        const int ok = scores && acc && qg;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -145,12 +146,11 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
             if (!ok) continue;
             const int64_t b = item / per_request, h0 = (item % per_request) * nh;
             attend(q + (b * H + h0 * G) * D, k, v, bf16, tables + b * max_blocks, lens[b], h0, nh, G, KVH, D,
-                   BS, scale, scores, acc, qg, rowbuf, out + (b * H + h0 * G) * D);
+                   BS, scale, scores, acc, qg, out + (b * H + h0 * G) * D);
         }
         free(scores);
         free(acc);
         free(qg);
-        free(rowbuf);
     }
     return failed ? 2 : 0;
 }
