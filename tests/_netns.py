@@ -239,3 +239,30 @@ class RayHosts:
         for side in ("b", "a"):
             self.net.kill_namespace_processes(side)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def serve_disagg_on_a(net: NetnsPair, hosts: RayHosts, port: int, args: list[str], log_path: str,
+                      ready_s: float) -> tuple[subprocess.Popen[bytes], str]:
+    """`phaselab serve --mode disagg` in namespace a on the Ray cluster `hosts`, prefill pinned to
+    host a and decode to host b (one thread each), plus `args`; returns once /health answers 200."""
+    import sys
+
+    import httpx
+
+    cmd = [sys.executable, "-m", "phaselab", "serve", "--host", "0.0.0.0", "--port", str(port), "--mode", "disagg",
+           "--ray-address", hosts.address, "--prefill-resources", '{"prefill_host": 1}',
+           "--decode-resources", '{"decode_host": 1}', "--prefill-threads", "1", "--decode-threads", "1", *args]
+    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+    proc = net.popen("a", cmd, stdout=log, stderr=log, env={**hosts.env, "OMP_WAIT_POLICY": "PASSIVE"})
+    url = f"http://{net.addr['control_a']}:{port}"
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-5000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the disaggregated server was not ready in {ready_s:.0f} s:\n{open(log_path).read()[-5000:]}")

@@ -25,12 +25,11 @@ import math
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns
+from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns, serve_disagg_on_a
 from tests._server_helpers import free_port
 
 pytestmark = pytest.mark.slow
@@ -42,25 +41,9 @@ PROMPT_TOKENS, OUTPUT_TOKENS, NUM_PROMPTS = 256, 3, 3
 
 def _serve(net: NetnsPair, hosts: RayHosts, record: str, log_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "phaselab", "serve", "--host", "0.0.0.0", "--port", str(port), "--mode", "disagg",
-           "--ray-address", hosts.address, "--prefill-resources", '{"prefill_host": 1}',
-           "--decode-resources", '{"decode_host": 1}', "--prefill-threads", "1", "--decode-threads", "1",
-           "--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
-           "--no-enable-prefix-caching", "--record", record]
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = net.popen("a", cmd, stdout=log, stderr=log, env={**hosts.env, "OMP_WAIT_POLICY": "PASSIVE"})
-    url = f"http://{net.addr['control_a']}:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-5000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the disaggregated server was not ready in 600 s:\n{open(log_path).read()[-5000:]}")
+    args = ["--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+            "--no-enable-prefix-caching", "--record", record]
+    return serve_disagg_on_a(net, hosts, port, args, log_path, ready_s=600)
 
 
 def _kv_bytes_per_block() -> int:

@@ -8,14 +8,13 @@ The link is unshaped here; benchmarks/multihost_kv.py shapes it and reports the 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import httpx
 import pytest
 
-from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns
+from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns, serve_disagg_on_a
 from tests._server_helpers import free_port, metric, sse_events
 
 pytestmark = pytest.mark.slow
@@ -27,25 +26,9 @@ def start_disagg_server(net: NetnsPair, hosts: RayHosts, model_dir: str, log_pat
                         ) -> tuple[object, str]:
     """`phaselab serve --mode disagg` in namespace a, prefill pinned to host a, decode to host b."""
     port = free_port()
-    cmd = [sys.executable, "-m", "phaselab", "serve", "--host", "0.0.0.0", "--port", str(port), "--mode", "disagg",
-           "--ray-address", hosts.address, "--prefill-resources", '{"prefill_host": 1}',
-           "--decode-resources", '{"decode_host": 1}', "--prefill-threads", "1", "--decode-threads", "1",
-           "--model", model_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
-           "--served-model-name", "tiny", *extra]
-    log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-    proc = net.popen("a", cmd, stdout=log, stderr=log, env={**hosts.env, "OMP_WAIT_POLICY": "PASSIVE"})
-    url = f"http://{net.addr['control_a']}:{port}"
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{open(log_path).read()[-5000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the disaggregated server was not ready in 400 s:\n{open(log_path).read()[-5000:]}")
+    args = ["--model", model_dir, "--dtype", "float32", "--kv-cache-memory", "16MiB", "--max-model-len", "256",
+            "--served-model-name", "tiny", *extra]
+    return serve_disagg_on_a(net, hosts, port, args, log_path, ready_s=400)
 
 
 def test_1p1d_across_two_hosts_then_the_decode_host_dies(tmp_path):
