@@ -48,6 +48,25 @@ def test_replay_of_a_run_with_idle_gaps_and_preemptions_takes_the_same_decisions
     assert [i.start_ns for i in r.result.iterations] == [i.start_ns for i in original.iterations]
 
 
+def test_prediction_inputs_keep_each_request_at_its_own_arrival(tmp_path):
+    """A prediction simulates the run's workload under another configuration, whose iterations start
+    elsewhere: a request that arrived mid-iteration must arrive there at its own time (and wait for
+    the step, as its measured TTFT did), not at the recorded run's next iteration start."""
+    d = Deployment(TINY, get_hardware("cpu"), colocated=RoleConfig(max_num_batched_tokens=64, num_blocks=64),
+                   max_model_len=400)
+    arrivals = [0.0, 0.0007, 0.0013, 0.2, 0.2004]  # stragglers inside the first and the later iterations
+    reqs = [SimRequest(f"r{i}", 200, 4, arrival_s=t, index=i) for i, t in enumerate(arrivals)]
+    simulate(d, reqs).write(str(tmp_path))
+    _as_real_run(tmp_path, TINY)
+    data = read_run_dir(str(tmp_path))
+    by_id = lambda rs: {r.request_id: r.arrival_ns / 1e9 for r in rs}  # noqa: E731
+    own = by_id(replay_inputs(data, at="arrival")[1])
+    aligned = by_id(replay_inputs(data)[1])
+    assert own == pytest.approx({f"r{i}": t for i, t in enumerate(arrivals)}, abs=1e-9)
+    assert all(aligned[r] >= own[r] for r in own)
+    assert sum(aligned[r] > own[r] + 1e-4 for r in own) >= 2, (own, aligned)
+
+
 def test_replay_refuses_simulated_and_multi_worker_runs(tmp_path):
     d = Deployment(TINY, get_hardware("cpu"), num_replicas=2,
                    colocated=RoleConfig(num_blocks=64), max_model_len=200)

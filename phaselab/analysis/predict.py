@@ -129,7 +129,7 @@ class Predictor:
         from phaselab.sim.replay import replay_inputs
 
         data = read_run_dir(path)
-        self.deployment, self.requests, _, self.notes = replay_inputs(data)
+        self.deployment, self.requests, _, self.notes = replay_inputs(data, at="arrival")
         fit, hw = calibrate(path)
         lifted = achieved_ceilings(data, hw)
         if lifted is not hw:

@@ -101,8 +101,16 @@ class ReplayResult:
         return f"plans differ from iteration {k}: real {real} vs simulated {sim}"
 
 
-def replay_inputs(data: RunData) -> tuple[Deployment, list[SimRequest], list[int], list[str]]:
-    """The deployment, requests and iteration cycles that replay `data` (see module docstring)."""
+def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, list[SimRequest], list[int], list[str]]:
+    """The deployment, requests and iteration cycles that replay `data` (see module docstring).
+
+    at="iteration" delivers each request at the start of the first real iteration after it was
+    queued (the replay: the same plans at the same boundaries); at="arrival" at its own arrival
+    offset, for simulating the run's workload under another configuration (a prediction), whose
+    iterations start elsewhere: a request that arrived during a long step then waits for it in the
+    simulation too (queue, as the measured TTFT counts it), and is not delayed to where the recorded
+    run's iterations happened to start."""
+    assert at in ("iteration", "arrival"), at
     workers = {rec.worker for rec in data.iterations}
     if len(workers) != 1:
         raise ReplayError(f"replay needs a run of one worker; this one has {sorted(workers) or 'none'}")
@@ -137,6 +145,8 @@ def replay_inputs(data: RunData) -> tuple[Deployment, list[SimRequest], list[int
     requests = []
     # queue order: queued_ns (distinct in a real engine), ties by the id's natural order ("r2" < "r10")
     order = sorted(data.requests, key=lambda m: (m.queued_ns or m.arrived_ns, _natural(m.request_id)))
+    if at == "arrival":
+        t0 = min([m.arrived_ns for m in order if m.queued_ns is not None] + starts[:1])
     for i, m in enumerate(order):
         if m.finish_reason in ("abort", "error") or m.queued_ns is None:
             notes.append(f"request {m.request_id} ({m.finish_reason}) is not replayed")
@@ -151,7 +161,7 @@ def replay_inputs(data: RunData) -> tuple[Deployment, list[SimRequest], list[int
         n_out = m.num_output_tokens
         requests.append(SimRequest(m.request_id, m.num_prompt_tokens, max_tokens=n_out,
                                    output_len=n_out if m.finish_reason == "stop" else None, index=i,
-                                   arrival_ns=starts[k] - t0))
+                                   arrival_ns=(starts[k] if at == "iteration" else m.arrived_ns) - t0))
     return deployment, requests, cycles, notes
 
 
