@@ -387,6 +387,13 @@ def slo_section(r: dict | None) -> list[str]:
 # served runs on other machines than serve_vs_peers.json's, newest first: (file stem, what it adds,
 # how it was made)
 SERVED_OTHER_MACHINES = [
+    ("serve_vs_peers_epyc_quiet", ", third run, the machine otherwise idle (2026-12-02, load about 1)",
+     "python benchmarks/serve_vs_peers.py --servers phaselab vllm llamacpp --llamacpp-quants Q4_1 "
+     "--phaselab-dtype auto --peers-home ~/.cache/phaselab-peers --no-merge "
+     "--out benchmarks/results/serve_vs_peers_epyc_quiet.json"),
+    ("serve_vs_peers_epyc_quiet_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the third run)",
+     "python benchmarks/serve_vs_peers.py --servers vllm --vllm-threads-bind 0-1 --peers-home "
+     "~/.cache/phaselab-peers --no-merge --out benchmarks/results/serve_vs_peers_epyc_quiet_vllm_2threads.json"),
     ("serve_vs_peers_epyc_run2", ", second run (load 4-7)",
      "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
      "--out benchmarks/results/serve_vs_peers_epyc_run2.json, then --servers llamacpp --llamacpp-quants Q4_1 "
