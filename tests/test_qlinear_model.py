@@ -153,6 +153,25 @@ def test_bundled_weight_memory(engines, bundled_path):
     assert q.linear_summary["weight_bytes"] < 0.2 * ref.linear_summary["weight_bytes"]  # vs 538 MB fp32
 
 
+def test_records_price_the_weights_as_the_engine_keeps_them(engines, bundled_path):
+    """The iteration records' modeled weight bytes (obs/cost.py: what one pass reads) are the file's
+    own tensors on the quantized path, counted by the GGUF reader outside the engine, and parameters x 4
+    on the dequantized fp32 path, at a decode step and at a prefill alike (the GEMM above
+    max_native_rows widens the same blocks into a cache-sized tile)."""
+    from phaselab.core.sampling_params import SamplingParams
+
+    q, ref = engines
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(bundled_path).tensors)
+    for engine, want in ((q, file_bytes), (ref, 4 * ref.model_config.num_parameters())):
+        first = len(engine.recorder.iterations)
+        engine.add_request(engine.tokenizer.encode("the weights as stored " * 8), SamplingParams(max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        its = engine.recorder.iterations[first:]
+        assert {it.num_prefill_tokens > 0 for it in its} == {True, False}
+        assert {it.modeled.weight_bytes for it in its} == {want}, engine.linear.path
+
+
 def test_bundled_greedy_token_identical_to_dequantized(engines):
     from phaselab.core.sampling_params import SamplingParams
 

@@ -69,7 +69,7 @@ def _describe(r: dict) -> str:
 
 @pytest.mark.slow
 def test_calibrated_on_one_real_run_the_simulator_predicts_another_at_another_load(tmp_path):
-    """The real engine (bundled model, bf16 with dequantized weights, chunked, budget 256, 16 sequences; the benchmark's
+    """The real engine (bundled model, bf16 on its quantized blocks, chunked, budget 256, 16 sequences; the benchmark's
     configuration and request lengths, 30 requests instead of 40) driven offline in real time:
     capacity measured by a burst of the 30 requests; calibrated on a Poisson run at 70% of it
     (seed 1); predicting a run at 50% (seed 2) from the same requests' lengths and arrival times.
@@ -99,12 +99,10 @@ def test_calibrated_on_one_real_run_the_simulator_predicts_another_at_another_lo
     from phaselab import LLM
     from tests._model_helpers import long_text
 
-    # dequantized weights: the cost model counts weight bytes as parameters x dtype (269 MB in bf16), which
-    # is what this path reads; the quantized path reads the file's 96.6 MB of blocks, a gap the cost model
-    # does not yet price (with the faster bf16 decode attention the fit then hits the read-bandwidth
-    # ceiling and over-predicts the decode step: TBT p50 +13.4%, memory_efficiency capped at 1)
+    # the engine's default weights (the bundled GGUF's quantized blocks): the records and the simulator price
+    # the 96.5 MB a pass reads of them (obs/cost.py StoredWeights), not parameters x dtype (269 MB in bf16)
     llm = LLM(dtype="bfloat16", kv_cache_memory="128MiB", max_model_len=1024, policy="chunked",
-              max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=False, weights="dequantized")
+              max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=False)
     engine = llm.engine
     text_ids = engine.tokenizer.encode(long_text(60))
     speed_probe(engine, text_ids, "warmup", n=1)

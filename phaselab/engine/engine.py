@@ -47,7 +47,7 @@ from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
 from phaselab.model.sampler import Sampler
-from phaselab.obs.cost import modeled_cost
+from phaselab.obs.cost import CostFormulas, StoredWeights
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
 from phaselab.spec.tokenizer import Tokenizer
@@ -113,6 +113,9 @@ class LLMEngine:
         # -- the phase record (docs/metrics.md) --
         self.worker, self.role = worker, role
         self.dtype_bytes = torch.finfo(self.dtype).bits // 8
+        # the records' modeled counts (obs/cost.py), with the weights priced as this engine keeps them
+        self.cost_formulas = CostFormulas(self.model_config, self.dtype_bytes,
+                                          StoredWeights.from_linear(self.linear_summary))
         self.stamp_sent = True  # offline: "sent" = handed to the caller; a server stamps the socket write
         self.metrics = EngineMetrics(labels={"worker": worker, "role": role})
         # keep_records: every closed request and iteration is kept for the run directory (off: a
@@ -384,7 +387,7 @@ class LLMEngine:
             plan, start_ns=t0, end_ns=t3, schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
             forward_ns=result.forward_ns, sample_ns=result.sample_ns, output_ns=t3 - t2,
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            modeled=modeled_cost(self.model_config, plan, self.dtype_bytes), predicted_s=predicted_s)
+            modeled=self.cost_formulas.of_plan(plan), predicted_s=predicted_s)
 
     def _observe_iteration(self, rec: IterationRecord) -> None:
         """Prometheus of one iteration, and the prefix-cache counters since the last."""

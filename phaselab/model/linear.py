@@ -233,6 +233,8 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         "max_native_rows": max_native_rows,
         "batched": batched,
         "weight_bytes": total + dense,
+        # an untied embedding table is only gathered (T rows per pass); the tied one is the head's
+        "gathered_bytes": 0 if config.tie_word_embeddings else embed.nbytes,
         "resident_bytes": resident,
         "memory_bytes": total + dense + resident,
         "tied_head": "embedding's packed rows" if config.tie_word_embeddings else "own packed rows",

@@ -11,6 +11,10 @@ docs/metrics.md has the same with a worked example):
     weight_bytes   = b x (P - E + T x h)   untied embeddings (E = vocab x h: the lookup reads T rows)
                    = b x P                 tied (the LM head reads the whole table anyway)
                      (a learned position table, OPT, is gathered the same way: T rows, not the table)
+                   = S + b x T x h x g     an engine that keeps its weights as stored (quantized blocks,
+                                           StoredWeights): S = the bytes of every weight a pass reads as
+                                           stored, g = the gathered tables; above `dense_above_rows`
+                                           rows (a dense copy kept resident for the GEMM) the b x P line
     kv_write_bytes = T x kv_bytes_per_token
     kv_read_bytes  = kv_bytes_per_token x sum over entries of
                         start + 1   one-token entry (decode): its whole context, incl. the K/V it wrote
@@ -99,13 +103,35 @@ def elementwise_bytes_per_token_layer(config: ModelConfig, dtype_bytes: int, tp:
     return (sum(e.values()) + e["add"]) * dtype_bytes
 
 
+@dataclass(frozen=True)
+class StoredWeights:
+    """The weights as an engine keeps them, when not as parameters x dtype bytes: `read_bytes` is what
+    one pass reads of them (every weight once, gathered tables excluded), `dense_above_rows` the row
+    count above which the pass reads a dense copy in the engine dtype instead (None: the stored
+    weights at every row count, e.g. widened per call into a cache-sized tile)."""
+
+    read_bytes: int
+    dense_above_rows: int | None = None
+
+    @classmethod
+    def from_linear(cls, linear: dict | None) -> StoredWeights | None:
+        """From the engine's linear summary (config.json's `linear`); None for the torch path (dense
+        weights in the engine dtype: the parameter count prices them) or a run that did not record it."""
+        if not isinstance(linear, dict) or linear.get("path") in (None, "torch") or "weight_bytes" not in linear:
+            return None
+        resident = linear.get("batched") == "resident" and linear.get("resident_bytes")
+        return cls(int(linear["weight_bytes"]) - int(linear.get("gathered_bytes") or 0),
+                   int(linear["max_native_rows"]) if resident else None)
+
+
 class CostFormulas:
     """The module docstring's formulas for one model and dtype, their per-model factors computed once
-    (the simulator prices millions of iterations)."""
+    (the simulator prices millions of iterations). `stored`: the engine's weights as stored, when it
+    keeps them so (else parameters x dtype bytes)."""
 
-    def __init__(self, config: ModelConfig, dtype_bytes: int) -> None:
+    def __init__(self, config: ModelConfig, dtype_bytes: int, stored: StoredWeights | None = None) -> None:
         c = config
-        self.config, self.dtype_bytes = c, dtype_bytes
+        self.config, self.dtype_bytes, self.stored = c, dtype_bytes, stored
         self.kv_bytes_per_token = c.kv_bytes_per_token(dtype_bytes)
         untied = 0 if c.tie_word_embeddings else 1
         # an untied embedding table (and a learned position table) is only gathered: T rows each
@@ -117,8 +143,11 @@ class CostFormulas:
         self.attention_flops_per_key = 4 * c.num_hidden_layers * c.num_attention_heads * c.head_dim
 
     def weight_bytes(self, num_tokens: int) -> int:
-        params = self.num_parameters - self.gathered_params + self.gathered_rows * num_tokens * self.config.hidden_size
-        return params * self.dtype_bytes
+        gathered = self.gathered_rows * num_tokens * self.config.hidden_size * self.dtype_bytes
+        s = self.stored
+        if s is not None and (s.dense_above_rows is None or num_tokens <= s.dense_above_rows):
+            return s.read_bytes + gathered
+        return (self.num_parameters - self.gathered_params) * self.dtype_bytes + gathered
 
     def of_counts(self, c: PlanCounts) -> ModeledCost:
         if c.num_entries == 0:
@@ -135,6 +164,7 @@ class CostFormulas:
         return self.of_counts(plan_counts(plan))
 
 
-def modeled_cost(config: ModelConfig, plan: SchedulerOutput, dtype_bytes: int) -> ModeledCost:
+def modeled_cost(config: ModelConfig, plan: SchedulerOutput, dtype_bytes: int,
+                 stored: StoredWeights | None = None) -> ModeledCost:
     """The modeled bytes and FLOPs of executing `plan` once (see the module docstring)."""
-    return CostFormulas(config, dtype_bytes).of_plan(plan)
+    return CostFormulas(config, dtype_bytes, stored).of_plan(plan)

@@ -34,7 +34,7 @@ from typing import Any
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import ModeledCost
 from phaselab.errors import ConfigError
-from phaselab.obs.cost import (CostFormulas, PlanCounts, elementwise_bytes_per_token_layer, keys_attended,
+from phaselab.obs.cost import (CostFormulas, PlanCounts, StoredWeights, elementwise_bytes_per_token_layer, keys_attended,
                                plan_counts)
 from phaselab.sim.catalog import HardwareSpec, LinkSpec
 from phaselab.sim.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
@@ -228,7 +228,8 @@ class RooflineCostModel:
     """Predicts an iteration's duration on one instance of `tp` devices (module docstring)."""
 
     def __init__(self, model: ModelConfig, hardware: HardwareSpec, params: CostParams | None = None,
-                 tp: int = 1, dtype_bytes: int = 2, tp_link: LinkSpec | None = None) -> None:
+                 tp: int = 1, dtype_bytes: int = 2, tp_link: LinkSpec | None = None,
+                 stored: StoredWeights | None = None) -> None:
         if tp < 1:
             raise ConfigError(f"tensor parallelism tp={tp} must be >= 1")
         if tp > 1 and model.num_attention_heads % tp:
@@ -238,7 +239,7 @@ class RooflineCostModel:
         self.params = params or default_params(hardware)
         self.tp_link = tp_link
         m, p, b = model, self.params, dtype_bytes
-        self.formulas = CostFormulas(m, b)  # the whole instance's modeled counts
+        self.formulas = CostFormulas(m, b, stored)  # the whole instance's modeled counts
         self._kv_per_token_gpu = m.kv_bytes_per_token_per_gpu(b, tp)
         self._attn_flops_per_key = self.formulas.attention_flops_per_key
         self._peak = hardware.peak_flops

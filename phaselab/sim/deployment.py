@@ -18,6 +18,7 @@ from typing import Any
 from phaselab.core.config import BUDGET_DEFAULT_TEXT, POLICIES, CacheConfig, SchedulerConfig
 from phaselab.core.routing import POLICIES as ROUTING
 from phaselab.errors import ConfigError
+from phaselab.obs.cost import StoredWeights
 from phaselab.sim.catalog import LINKS, GiB, HardwareSpec, LinkSpec, get_link
 from phaselab.sim.cost import CostParams, default_params
 from phaselab.spec.config import ModelConfig
@@ -81,6 +82,10 @@ class Deployment:
     routing_policy: str = field(default="least-outstanding", metadata={
         "choices": ROUTING_POLICIES, "help": "disagg: worker choice per request"})
     params: CostParams | None = None  # default: the hardware's defaults
+    # the weights as a real engine keeps them (quantized blocks: fewer bytes per pass than parameters x
+    # dtype_bytes); None: parameters x dtype_bytes. A replay or prediction of a CPU run takes it from
+    # the run's config.json (obs/cost.py StoredWeights.from_linear)
+    stored_weights: StoredWeights | None = None
     delivery_s: float = 0.0  # token sampled -> sent
 
     def __post_init__(self) -> None:

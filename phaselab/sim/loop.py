@@ -209,7 +209,7 @@ class Simulator:
     def _default_cost_model(self, name: str, role: str, rc: RoleConfig) -> CostModel:
         d = self.d
         return RooflineCostModel(d.model, d.hardware, d.cost_params, rc.tp, d.dtype_bytes,
-                                 d.tp_link_spec() if rc.tp > 1 else None)
+                                 d.tp_link_spec() if rc.tp > 1 else None, stored=d.stored_weights)
 
     # -- the run -----------------------------------------------------------------------------------
     def run(self) -> SimResult:

@@ -29,7 +29,7 @@ from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import IterationRecord
 from phaselab.errors import PhaselabError
-from phaselab.obs.cost import plan_counts
+from phaselab.obs.cost import StoredWeights, plan_counts
 from phaselab.obs.rundir import RunData, read_run_dir
 from phaselab.sim.calibrate import run_model
 from phaselab.sim.host import run_hardware
@@ -130,6 +130,7 @@ def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, lis
                     slo_tbt_ms=sched.slo_tbt_ms, slo_ttft_ms=sched.slo_ttft_ms, slo_margin=sched.slo_margin,
                     slo_min_chunk=sched.slo_min_chunk)
     deployment = Deployment(model, run_hardware(cfg), colocated=rc, dtype_bytes=dtype_bytes,
+                            stored_weights=StoredWeights.from_linear(cfg.get("linear")),
                             block_size=cache_cfg.block_size, enable_prefix_caching=cache_cfg.enable_prefix_caching,
                             max_model_len=sched.max_model_len)
     cycles = []
@@ -172,7 +173,8 @@ def _natural(text: str) -> list[tuple[int, int | str]]:
 def replay(path: str | PathLike[str], record_iterations: bool = True) -> ReplayResult:
     data = read_run_dir(path)
     deployment, requests, cycles, notes = replay_inputs(data)
-    counter = RooflineCostModel(deployment.model, deployment.hardware, tp=1, dtype_bytes=deployment.dtype_bytes)
+    counter = RooflineCostModel(deployment.model, deployment.hardware, tp=1, dtype_bytes=deployment.dtype_bytes,
+                                stored=deployment.stored_weights)
     replayer = ReplayCostModel(cycles, counter)
     sim = Simulator(deployment, requests, ArrivalPlan(self_timed=True), cost_model_factory=lambda *_: replayer,
                     record_iterations=record_iterations, workload_info={"kind": "replay", "run": str(path)})
