@@ -3,7 +3,7 @@ workloads driven with arrival timing by phaselab.workload.driver.run_arrivals):
 
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
     prefill-bound    long prompts, few requests, one at a time, two output tokens
-    decode/KV-bound  long histories (a 640-token shared prefix, served by the prefix cache), batch 32;
+    decode/KV-bound  long histories (a 3000-token shared prefix, served by the prefix cache), batch 32;
                      truth: the same batch at short histories
     KV capacity      a 4 MiB cache for 10 growing requests; truth: the scheduler's preemption count
     healthy          a few spaced requests: no queue, stall or KV-capacity finding of weight
@@ -132,7 +132,8 @@ def _per_history_token(engine, rng, prefix, rounds):
 
 def test_decode_kv_bound(checkpoint, tmp_path):
     """The run: a short wave (32 requests, 16-token prompts, 24 tokens) then a long one (the same
-    batch over a 1600-token shared prefix from the prefix cache, 28 tokens), so the history varies
+    batch over a 3000-token shared prefix from the prefix cache, 48 tokens: decoding, not the one
+    3000-token prefill, is most of the run), so the history varies
     within the run. Truth by a controlled experiment outside it: the same batch of 32 decoding at
     short and at long histories in separate runs gives the cost per history token,
     (long step - short step) / (long history - short history); the K/V share of the run's decode
@@ -143,17 +144,21 @@ def test_decode_kv_bound(checkpoint, tmp_path):
     from scratch before it fails: load on a 2-core CI machine can shift by more than the tolerance
     within a minute, a wrong attribution is wrong both times."""
     rng = np.random.default_rng(2)
-    prefix = random_prompt(rng, 1600)
+    # 3000 tokens: each sequence's K/V read per step (about 2.5 ms here) then clearly outweighs its share
+    # of the weights and the per-sequence overhead (about 1.5 ms); at 1600 the two were even and the
+    # ranking of decode-kv against decode-step flipped between runs
+    prefix = random_prompt(rng, 3000)
     outcomes = []
     for attempt in range(2):
-        engine = _engine(checkpoint)
+        engine = _engine(checkpoint, max_model_len=4096)
         steps, ctxs = _per_history_token(engine, rng, prefix, rounds=2)
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
         arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
-        arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 28, after_finished="warm") for i in range(32)]
+        arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 48, after_finished="warm") for i in range(32)]
         path = tmp_path / f"decode{attempt}"
-        d, run = _run(_engine(checkpoint), arrivals, path)
-        assert sum(m.num_cached_tokens for m in run.requests) >= 32 * 1584  # the long histories came from the cache
+        d, run = _run(_engine(checkpoint, max_model_len=4096), arrivals, path)
+        # the long histories came from the cache
+        assert sum(m.num_cached_tokens for m in run.requests) >= 32 * (len(prefix) - 16)
         after_steps, after_ctxs = _per_history_token(engine, rng, prefix, rounds=2)
         for name in steps:
             steps[name] += after_steps[name]
@@ -171,8 +176,7 @@ def test_decode_kv_bound(checkpoint, tmp_path):
               f"experiment {truth:.4f}; per history token {att.per_kv_token_s * 1e6:.3f} vs {per_token * 1e6:.3f} us "
               f"({short_s * 1e3:.1f} ms at {short_ctx:.0f} vs {long_s * 1e3:.1f} ms at {long_ctx:.0f} tokens)"
               + _shares(d))
-        decode = d.account.shares["decode-kv"] + d.account.shares["decode-step"]
-        assert d.top is not None and d.top.cause in ("decode-kv", "decode-step") and decode > 0.5, d.account.shares
+        assert d.top is not None and d.top.cause == "decode-kv", d.account.shares
         # the measured cost per history token agrees with the controlled experiment within the fit's
         # own 95% interval or 15%, whichever is wider
         outcomes.append((abs(att.per_kv_token_s - per_token), max(att.ci[2], REL * per_token)))
