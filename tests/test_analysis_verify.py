@@ -96,3 +96,34 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
     assert improved, f"the suggestion did not improve {LABEL[target]}: {[o[2] for o in outcomes]}"
     assert agrees, f"predicted and measured differ by more than {REL:.0%} of the measured: {[o[2] for o in outcomes]}"
 
+
+
+def test_rerun_hits_the_prefix_cache_where_the_run_did(checkpoint, tmp_path):
+    """Prompt token ids are not recorded; the rerun's prompts share one random prefix, each request as
+    many tokens of it as it hit. The truth is the rerun engine's own count of prefix-cache hits per
+    request, equal to the recorded run's (a cache filler, three requests over its 160-token prefix,
+    one unrelated prompt)."""
+    from phaselab.analysis.verify import workload
+    from phaselab.config import EngineArgs
+    from phaselab.engine.engine import LLMEngine
+    from phaselab.obs.rundir import read_run_dir
+
+    rng = np.random.default_rng(5)
+    prefix = random_prompt(rng, 160)
+    arrivals = [Arrival("other", random_prompt(rng, 40), 2, at_s=0.0),
+                Arrival("fill", prefix + random_prompt(rng, 30), 1, at_s=0.0)]
+    arrivals += [Arrival(f"hit{i}", prefix + random_prompt(rng, 20 + 7 * i), 3, after_finished="fill") for i in range(3)]
+
+    def hits(arrivals):
+        engine = LLMEngine(EngineArgs(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512), checkpoint=checkpoint)
+        run_arrivals(engine, arrivals)
+        return engine, {m.request_id: m.num_cached_tokens for m in engine.finished_requests}
+
+    engine, recorded = hits(arrivals)
+    assert {recorded[f"hit{i}"] for i in range(3)} == {160} and recorded["fill"] == recorded["other"] == 0, recorded
+    engine.write_record(str(tmp_path))
+    rerun, notes = workload(read_run_dir(str(tmp_path)))
+    assert any("share one random 160-token prefix" in n for n in notes), notes
+    assert sorted(len(a.prompt) for a in rerun) == sorted(len(a.prompt) for a in arrivals)
+    _, again = hits(rerun)
+    assert again == recorded
