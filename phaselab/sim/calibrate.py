@@ -386,21 +386,33 @@ def run_wide_rows(config: dict[str, Any]) -> int:
     return int(lin.get("max_native_rows") or 0)
 
 
-def calibrate(path: str | PathLike[str], hardware: str | HardwareSpec | None = None, weighting: str = "sqrt"
-              ) -> tuple[Fit, HardwareSpec]:
-    """Fit a real run. The efficiencies are capped at 1 of `hardware`'s ceilings: by default the ones the
-    engine measured on the run's host and recorded in it, else the catalog's `cpu` entry (host.py); a
-    warning (also in fit.notes) says when they were measured on another CPU than the run's."""
-    data = read_run_dir(path)
-    if data.config.get("simulated"):
-        raise ValueError(f"{path} is a simulated run; calibrate on a real one")
+def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: str | HardwareSpec | None = None,
+              weighting: str = "sqrt") -> tuple[Fit, HardwareSpec]:
+    """Fit a real run, or several runs of one engine pooled (a list: their iterations fitted together,
+    each run's cycles its own; e.g. runs alternated with others so that a drift of a shared machine's
+    speed falls on both sides). The efficiencies are capped at 1 of `hardware`'s ceilings: by default
+    the ones the engine measured on the run's host and recorded in it, else the catalog's `cpu` entry
+    (host.py); a warning (also in fit.notes) says when they were measured on another CPU than the run's."""
+    paths = list(path) if isinstance(path, (list, tuple)) else [path]
+    runs = [read_run_dir(p) for p in paths]
+    data = runs[0]
+    for p, run in zip(paths, runs):
+        if run.config.get("simulated"):
+            raise ValueError(f"{p} is a simulated run; calibrate on a real one")
+        if run_model(run.config) != run_model(data.config):
+            raise ValueError(f"{p} ran another model or dtype than {paths[0]}; calibrate runs of one engine together")
     model, dtype_bytes = run_model(data.config)
     hw = run_hardware(data.config) if hardware is None else \
         hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
-    iters = sorted(data.iterations, key=lambda r: r.start_ns)
+    iters: list[IterationRecord] = []
+    cycles: list[int] = []
+    for run in runs:
+        its = sorted(run.iterations, key=lambda r: r.start_ns)
+        iters += its
+        cycles += iteration_cycles(its)
     if not iters:
-        raise ValueError(f"{path} has no iterations to fit")
-    fit = fit_params(iters, iteration_cycles(iters), model, hw, dtype_bytes, str(path), weighting=weighting,
+        raise ValueError(f"{', '.join(map(str, paths))} has no iterations to fit")
+    fit = fit_params(iters, cycles, model, hw, dtype_bytes, " + ".join(map(str, paths)), weighting=weighting,
                      wide_rows=run_wide_rows(data.config))
     fit.notes = host_mismatch(data.config, hw)
     for note in fit.notes:
