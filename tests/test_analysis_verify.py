@@ -80,6 +80,11 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
         assert d.top is not None and d.top.cause == cause, d.account.shares
         p = d.top.prediction
         assert p is not None and flag in p.change.flags, d.top.change
+        # the calibration says what its run cannot separate: the queue run's prefill iterations all carry
+        # two 48-token prompts, the stall run's span 64 to 1000+ rows
+        prefill_caveat = any("cannot separate a prefill's per-row cost" in c for c in p.caveats)
+        if cause in ("queue", "stall"):
+            assert prefill_caveat == (cause == "queue"), p.caveats
         v = verify(str(path), p)
         predicted, measured = p.relative(target), v.measured_relative(target)
         assert predicted is not None and measured is not None

@@ -89,7 +89,8 @@ def prediction_text(p: Prediction) -> list[str]:
                     f"{LABEL[name]} {val(measured)}")
     err = f"; cost model calibrated on this run, mean iteration error {p.cost_model_error:.0%}" \
         if p.cost_model_error is not None else ""
-    return [f"predicted with `{p.change.flags}` (simulated with the engine's scheduler{err}): " + ", ".join(rows)]
+    return [f"predicted with `{p.change.flags}` (simulated with the engine's scheduler{err}): " + ", ".join(rows)] + \
+        [f"caveat: {c}" for c in p.caveats]
 
 
 def _gain(p: Prediction, name: str) -> float:

@@ -50,6 +50,7 @@ class Prediction:
     sim_before: dict[str, float | None]
     sim_after: dict[str, float | None]
     cost_model_error: float | None  # the calibration's mean |relative error| per iteration
+    caveats: list[str] = field(default_factory=list)  # what the calibration run could not separate
 
     def predicted(self, name: str) -> float | None:
         m, b, a = self.measured.get(name), self.sim_before.get(name), self.sim_after.get(name)
@@ -76,7 +77,8 @@ class Prediction:
     def to_json(self) -> dict[str, Any]:
         return {"flags": self.change.flags, "knobs": self.change.knobs, "measured": self.measured,
                 "predicted": {n: self.predicted(n) for n in FIGURES}, "sim_before": self.sim_before,
-                "sim_after": self.sim_after, "cost_model_error": self.cost_model_error, "hurts": self.hurts()}
+                "sim_after": self.sim_after, "cost_model_error": self.cost_model_error, "hurts": self.hurts(),
+                "caveats": self.caveats}
 
 
 def figures(requests: list[RequestMetrics]) -> dict[str, float | None]:
@@ -135,6 +137,7 @@ class Predictor:
         if lifted is not hw:
             fit, hw = calibrate(path, hardware=lifted)
         self.cost_model_error = fit.summary()["relative_error_abs_mean"]
+        self.caveats = fit.spread
         self.deployment = dataclasses.replace(self.deployment, hardware=hw, params=fit.params)
         self.measured = figures(data.requests)
         self._before = self._simulate({})
@@ -151,7 +154,8 @@ class Predictor:
         return figures(sim.run().requests)
 
     def predict(self, change: Change) -> Prediction:
-        return Prediction(change, self.measured, self._before, self._simulate(change.knobs), self.cost_model_error)
+        return Prediction(change, self.measured, self._before, self._simulate(change.knobs), self.cost_model_error,
+                          self.caveats)
 
 
 def make_predictor(path: str | PathLike[str] | None) -> tuple[Predictor | None, str | None]:

@@ -61,6 +61,7 @@ class Fit:
     measured_total_s: float = 0.0
     predicted_total_s: float = 0.0
     notes: list[str] = field(default_factory=list)  # e.g. the ceilings were measured on another CPU (host.py)
+    spread: list[str] = field(default_factory=list)  # what the run's shapes cannot separate (spread_notes)
 
     def summary(self) -> dict[str, Any]:
         errs = np.abs(np.asarray(self.rel_errors)) if self.rel_errors else np.zeros(1)
@@ -237,6 +238,33 @@ def _alternate(f: dict[str, np.ndarray], y: np.ndarray, scale: np.ndarray, pinne
                 best = (sse, x)
     assert best is not None
     return best
+
+
+SPAN = 1.5  # a shape must vary by this ratio within a run for the fit to tell its per-unit from its fixed cost
+
+
+def _span(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def spread_notes(f: dict[str, np.ndarray], wide_rows: int) -> list[str]:
+    """What the run's iterations cannot separate (their shapes did not vary): said, not guessed at.
+    A prediction that moves a run outside its shapes (more rows per iteration, bigger decode batches)
+    extrapolates there."""
+    notes = []
+    prefill = f["nc"] > 0
+    if prefill.sum() >= 2 and f["T"][prefill].max() < SPAN * f["T"][prefill].min():
+        lo, hi = int(f["T"][prefill].min()), int(f["T"][prefill].max())
+        fixed = f" (the weights' widening above {wide_rows} rows)" if wide_rows else ""
+        notes.append(f"every iteration with a prefill chunk had {_span(lo, hi)} rows: the fit cannot separate a "
+                     f"prefill's per-row cost from its fixed cost{fixed}, so a change that puts more or fewer rows in "
+                     "an iteration is an extrapolation")
+    decode = (f["nc"] == 0) & (f["n"] > 0)
+    if decode.sum() >= 2 and f["n"][decode].max() < SPAN * f["n"][decode].min():
+        lo, hi = int(f["n"][decode].min()), int(f["n"][decode].max())
+        notes.append(f"every decode-only iteration ran {_span(lo, hi)} sequences: the fit cannot separate a sequence's "
+                     "cost from the step's, so a change of the decode batch is an extrapolation")
+    return notes
 
 
 def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model: ModelConfig, hw: HardwareSpec,
@@ -417,6 +445,8 @@ def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: s
     fit.notes = host_mismatch(data.config, hw)
     for note in fit.notes:
         warnings.warn(note, stacklevel=2)
+    fit.spread = spread_notes(_features(iters, model, hw, dtype_bytes, run_wide_rows(data.config)),
+                              run_wide_rows(data.config))
     return fit, hw
 
 
