@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tests._netns import NetnsPair, RayHosts, require_netns  # noqa: E402
 from tests._server_helpers import free_port  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 
 RATE_BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
 
@@ -74,7 +75,7 @@ def main() -> int:
     ns = ap.parse_args()
     require_netns()
     results: dict[str, Any] = {"machine": {"cpu": platform.processor() or platform.machine(),
-                                           "cpu_model": _cpu_model(), "cores": os.cpu_count()},
+                                           "cpu_model": cpu_model(), "cores": os.cpu_count()},
                                "config": vars(ns), "rates": []}
     with NetnsPair(control=True) as net:
         hosts = RayHosts(net).start()
@@ -107,17 +108,6 @@ def main() -> int:
         json.dump(results, f, indent=1)
     print(f"wrote {ns.out}", file=sys.stderr)
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _wait_ready(url: str, proc: Any, log_path: str, timeout_s: float = 600) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import tempfile
 import time
 import urllib.request
 from typing import Any
+from _machine import cpu_model
 
 
 def log(msg: str) -> None:
@@ -117,17 +117,6 @@ def run_one(tree: str, port: int, args: argparse.Namespace, work: str, tag: str)
     out["bench_tpot_p50_ms"] = bench.get("median_tpot_ms")
     out["load_avg_before"], out["load_avg_after"] = [round(x, 2) for x in load_before], [round(x, 2) for x in load_after]
     return out
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def main() -> None:

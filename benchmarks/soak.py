@@ -52,6 +52,7 @@ import psutil
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tests._server_helpers import ServerProcess  # noqa: E402
+from _machine import cpu_model  # noqa: E402
 
 PROMPTS = ["The three primary colors are", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain why the sky is blue in one sentence.", "Once upon a time"]
@@ -292,24 +293,13 @@ def main() -> int:
     ns = ap.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     rows = [soak_mode(m, ns) for m in ns.modes]
-    out = {"machine": {"cpu_model": _cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
+    out = {"machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
            "config": vars(ns), "modes": rows, "ok": all(r["ok"] for r in rows)}
     os.makedirs(os.path.dirname(ns.out), exist_ok=True)
     with open(ns.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {ns.out}; {'OK' if out['ok'] else 'FAILED: ' + str([r['checks'] for r in rows])}", file=sys.stderr)
     return 0 if out["ok"] else 1
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":
