@@ -386,7 +386,7 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
     # the error of what the simulator will predict with these parameters
     pred, _ = _predict(_to_x(params, model.num_hidden_layers), f)
     return Fit(params, dict(zip(COLUMNS, (float(v) for v in x))), len(y), ((pred - y) / y).tolist(),
-               float(y.sum()), float(pred.sum()))
+               float(y.sum()), float(pred.sum()), spread=spread_notes(f, wide_rows))
 
 
 def predict_iterations(params: CostParams, iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec,
@@ -445,8 +445,6 @@ def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: s
     fit.notes = host_mismatch(data.config, hw)
     for note in fit.notes:
         warnings.warn(note, stacklevel=2)
-    fit.spread = spread_notes(_features(iters, model, hw, dtype_bytes, run_wide_rows(data.config)),
-                              run_wide_rows(data.config))
     return fit, hw
 
 
