@@ -104,7 +104,7 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
             assert not any("decode-only iteration" in c for c in p.caveats), p.caveats
         v = verify(str(path), p)
         if cause == "decode-kv":  # the long wave waited for the short one's end, as the run's did
-            assert any("33 of 65 requests arrived within 5 ms of another's end" in n for n in v.notes), v.notes
+            assert any("33 of 65 requests arrived within 20 ms of another's end" in n for n in v.notes), v.notes
         predicted, measured = p.relative(target), v.measured_relative(target)
         assert predicted is not None and measured is not None
         improved = measured < 0 if LOWER_IS_BETTER[target] else measured > 0

@@ -60,7 +60,27 @@ def test_closed_loop_triggers_and_prefix_hits_are_read_back_from_the_records(tmp
     # one shared prefix: as many tokens of it as each request hit, and the filler carries it whole
     assert {rid: r.shared_prefix for rid, r in by_id.items()} == {
         "a0": 320, "a1": 0, "a2": 0, "b0": 320, "b1": 320, "c0": 0, "r": 0}
-    assert any("3 of 7 requests arrived within 5 ms of another's end" in n for n in notes), notes
+    # 3 of the 4 arrivals that followed an end came within 5 ms of it: a closed-loop run (20 ms window)
+    assert any("3 of 7 requests arrived within 20 ms of another's end" in n for n in notes), notes
+
+
+def _record(rid, arrived_ms, ended_ms):
+    return SimpleNamespace(request_id=rid, finish_reason="length", arrived_ns=round(arrived_ms * 1e6),
+                           finished_ns=round(ended_ms * 1e6), token_sent_ns=[round(ended_ms * 1e6)],
+                           num_cached_tokens=0, num_prompt_tokens=8, num_output_tokens=2)
+
+
+def test_an_open_loop_arrival_is_read_as_released_only_within_5_ms_of_an_end():
+    """Open loop: most arrivals are far from any end, so the window stays 5 ms: an arrival 3 ms after
+    an end is read as released by it, one 8 ms after is not (in a closed-loop run it would be)."""
+    open_loop = [_record("o0", 0, 100), _record("o1", 103, 180), _record("o2", 188, 300),
+                 _record("o3", 240, 320), _record("o4", 400, 450), _record("o5", 520, 600)]
+    got = {r.request_id: r.after_finished for r in recorded_workload(open_loop)[0]}
+    assert got == {"o0": None, "o1": ("o0",), "o2": None, "o3": None, "o4": None, "o5": None}
+    closed = [_record("c0", 0, 100), _record("c1", 0, 150), _record("c2", 102, 200), _record("c3", 158, 260),
+              _record("c4", 201, 300)]
+    got = {r.request_id: r.after_finished for r in recorded_workload(closed)[0]}
+    assert got == {"c0": None, "c1": None, "c2": ("c0",), "c3": ("c1",), "c4": ("c2",)}
 
 
 def test_prediction_inputs_rerun_the_workload_with_its_triggers_and_hits(tmp_path):
