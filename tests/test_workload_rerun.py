@@ -135,3 +135,4 @@ def test_driver_releases_a_request_after_all_of_its_triggers():
     seen = dict(engine.added)
     assert seen["w"] >= {"x"} and "y" not in seen["w"]  # released by x alone, before y ended
     assert seen["z"] >= {"x", "y"}
+

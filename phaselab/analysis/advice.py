@@ -119,6 +119,7 @@ def attach(d: Diagnosis, findings: list[Finding], run: RunData, path: str | None
         costs = [n for n in p.hurts()]
         cost_text = ", ".join(f"{LABEL[n]} {p.relative(n):+.0%}" for n in costs)
         if gain <= 0:
+            f.suggested = False
             f.change = (f"NOT SUGGESTED: `{c.flags}` is predicted not to improve {LABEL[target]} on this run "
                         f"({(p.relative(target) or 0):+.0%})" + (f" and to cost {cost_text}" if costs else "")
                         + ". " + f.change)
@@ -126,6 +127,7 @@ def attach(d: Diagnosis, findings: list[Finding], run: RunData, path: str | None
         if costs:
             worst = max(abs(p.relative(n) or 0) for n in costs)
             head = "NOT SUGGESTED" if worst > gain else "FLAGGED"
+            f.suggested = worst <= gain
             f.change = f"{head}: `{c.flags}` costs {cost_text} for {LABEL[target]} {p.relative(target):+.0%}. " + f.change
         measured, predicted = p.measured.get(target), p.predicted(target)
         if measured is not None and predicted is not None:
