@@ -19,9 +19,11 @@ if TYPE_CHECKING:
     from phaselab.obs.rundir import RunData
 
 # the user-facing figure each cause's change is meant to improve
+# (a stall is a tail: ITL p99; K/V reads slow every step: ITL p50, the typical gap between tokens)
 TARGET = {"queue": "ttft_p99_s", "prefill": "ttft_p50_s", "stall": "itl_p99_s", "kv-capacity": "ttft_p50_s",
-          "decode-kv": "itl_p99_s", "decode-step": "output_tokens_per_s"}
-LABEL = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p99_s": "ITL p99", "e2e_mean_s": "E2E mean",
+          "decode-kv": "itl_p50_s", "decode-step": "output_tokens_per_s"}
+LABEL = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p50_s": "ITL p50", "itl_p99_s": "ITL p99",
+         "e2e_mean_s": "E2E mean",
          "output_tokens_per_s": "output tokens/s"}
 WORKED_FRACTION = 0.5  # worked if at least half of the predicted improvement is measured
 
@@ -117,6 +119,7 @@ def attach(d: Diagnosis, findings: list[Finding], run: RunData, path: str | None
         costs = [n for n in p.hurts()]
         cost_text = ", ".join(f"{LABEL[n]} {p.relative(n):+.0%}" for n in costs)
         if gain <= 0:
+            f.suggested = False
             f.change = (f"NOT SUGGESTED: `{c.flags}` is predicted not to improve {LABEL[target]} on this run "
                         f"({(p.relative(target) or 0):+.0%})" + (f" and to cost {cost_text}" if costs else "")
                         + ". " + f.change)
@@ -124,6 +127,7 @@ def attach(d: Diagnosis, findings: list[Finding], run: RunData, path: str | None
         if costs:
             worst = max(abs(p.relative(n) or 0) for n in costs)
             head = "NOT SUGGESTED" if worst > gain else "FLAGGED"
+            f.suggested = worst <= gain
             f.change = f"{head}: `{c.flags}` costs {cost_text} for {LABEL[target]} {p.relative(target):+.0%}. " + f.change
         measured, predicted = p.measured.get(target), p.predicted(target)
         if measured is not None and predicted is not None:

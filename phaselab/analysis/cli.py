@@ -76,11 +76,19 @@ def _verify(diag: Any, ns: argparse.Namespace) -> int:
 
     from phaselab.analysis.verify import verify
 
-    top = next((f for f in diag.findings if f.prediction is not None), None)
-    if top is None:
-        print("phaselab diagnose --verify: no finding has a simulated change to verify (see the notes above); "
-              "verify a change by hand with `phaselab compare`", file=sys.stderr)
+    # the highest-ranked finding whose change the prediction supports; the ones above it say why not
+    rank = next((k for k, f in enumerate(diag.findings) if f.prediction is not None and f.suggested), None)
+    for k, f in enumerate(diag.findings[:rank]):
+        why = ("no engine knob changes it (its advice is above)" if f.prediction is None else
+               f"`{f.prediction.change.flags}` is not suggested (its prediction is above)")
+        print(f"phaselab diagnose --verify: skipping #{k + 1} {f.cause}: {why}", file=sys.stderr)
+    top = diag.findings[rank] if rank is not None else None
+    if top is None or top.prediction is None:
+        print("phaselab diagnose --verify: no finding has a suggested change to verify; verify a change by hand "
+              "with `phaselab compare`, or rerun with the change and diagnose both runs", file=sys.stderr)
         return 2
+    print(f"phaselab diagnose --verify: verifying #{rank + 1} {top.cause}: "
+          f"`{top.prediction.change.flags}`", file=sys.stderr)
     v = verify(ns.run_dir, top.prediction)
     sys.stdout.write(v.text())
     if not ns.no_write:

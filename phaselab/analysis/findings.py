@@ -59,6 +59,7 @@ class Finding:
     check: str
     suggestion: Change | None = None  # the change as knobs (analysis/advice.py)
     prediction: Prediction | None = None  # its simulated effect on this run
+    suggested: bool = True  # False: the prediction says the change would not help, or costs more than it gains
 
 
 def _policy(config: dict[str, Any]) -> tuple[str | None, int | None]:

@@ -2,10 +2,11 @@
 prediction next to what happened.
 
 The workload is what the run directory records: each request's arrival offset, prompt length and
-output length (greedy, ignore_eos, so the same number of tokens). Prompt token ids are not
-recorded, so the rerun draws random ones of the same lengths; where the run hit the prefix cache,
-the prompts share one random prefix, each request as many tokens of it as it hit (one shared
-root, a system prompt's shape: nested or several distinct prefixes are approximated by it). The run is repeated on this machine as recorded
+output length (greedy, ignore_eos, so the same number of tokens), read by workload/rerun.py: a
+request that arrived within a few ms of another's end is released by that end (a closed-loop
+client), the others at their recorded offsets. Prompt token ids are not recorded, so the rerun
+draws random ones of the same lengths; where the run hit the prefix cache, the prompts share one
+random prefix, each request as many tokens of it as it hit. The run is repeated on this machine as recorded
 ("before") and with the change ("after"), in alternating rounds (before, after, after, before for
 two rounds), so a drift of the machine's load during the reruns moves both sides alike; each side's
 figure is the mean of its runs, and the measured change (after / before) is set against the
@@ -69,30 +70,18 @@ class Verification:
 
 
 def workload(data: Any, seed: int = 0) -> tuple[list[Any], list[str]]:
+    """The run's workload as Arrivals (workload/rerun.py): random prompt ids of the recorded lengths,
+    the shared prefix where the run hit the cache, closed-loop requests released by their
+    predecessor's end and the rest at their recorded offsets."""
     from phaselab.workload.driver import Arrival, random_prompt
+    from phaselab.workload.rerun import recorded_workload
 
     rng = np.random.default_rng(seed)
-    ok = [m for m in data.requests if m.finish_reason not in ("abort", "error")]
-    t0 = min((m.arrived_ns for m in ok), default=0)
-    notes = []
-    ordered = sorted(ok, key=lambda m: m.arrived_ns)
-    cached = [m.num_cached_tokens for m in ordered]  # prefix-cache hit at first admission, per request
-    shared = random_prompt(rng, max(cached, default=0))
-    if shared:
-        # one shared prefix: each request that hit the cache starts with as many of its tokens as it hit,
-        # and the request that filled the cache (the latest earlier one at least as long, itself
-        # without a hit) carries it whole, so the rerun hits where the run did
-        first = next(k for k, c in enumerate(cached) if c)
-        source = next((k for k in range(first - 1, -1, -1)
-                       if not cached[k] and ordered[k].num_prompt_tokens > cached[first]), None)
-        if source is not None:
-            cached[source] = min(len(shared), ordered[source].num_prompt_tokens - 1)
-        notes.append(f"the run hit the prefix cache ({sum(m.num_cached_tokens for m in ordered)} tokens); the rerun's "
-                     f"prompts share one random {len(shared)}-token prefix, as many tokens of it as each request hit"
-                     + ("" if source is not None else " (no earlier request long enough to have filled the cache: "
-                        "the first hit is a miss in the rerun)"))
-    arrivals = [Arrival(m.request_id, shared[:c] + random_prompt(rng, m.num_prompt_tokens - c),
-                        max(1, m.num_output_tokens), at_s=(m.arrived_ns - t0) / 1e9) for m, c in zip(ordered, cached)]
+    recorded, notes = recorded_workload(data.requests)
+    shared = random_prompt(rng, max((r.shared_prefix for r in recorded), default=0))
+    arrivals = [Arrival(r.request_id, shared[:r.shared_prefix] + random_prompt(rng, r.num_prompt_tokens - r.shared_prefix),
+                        r.num_output_tokens, at_s=None if r.after_finished else r.offset_s,
+                        after_finished=r.after_finished) for r in recorded]
     return arrivals, notes
 
 

@@ -57,6 +57,7 @@ from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
 from phaselab.sim.transfer import Flow, Network
 from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, SimRequest
 from phaselab.workload.arrivals import ArrivalPlan
+from phaselab.workload.driver import ended_set
 
 NS = 1_000_000_000
 # The virtual clock starts here, not at 0, so no timestamp is ever falsy.
@@ -172,6 +173,17 @@ class Simulator:
         self.d = deployment
         self.check_invariants = check_invariants  # tests: the scheduler's invariants after every step
         self.specs = list(requests)
+        # the open-loop plans' triggered requests (SimRequest.after_finished): request id -> the requests
+        # waiting for its end, and each waiting request -> the ends it still waits for
+        self._dependents: dict[str, list[SimRequest]] = {}
+        self._waiting_on: dict[str, set[str]] = {}
+        ids = {s.request_id for s in self.specs}
+        for s in self.specs:
+            parents = {r for r in ended_set(s.after_finished) if r in ids}
+            if parents:
+                self._waiting_on[s.request_id] = parents
+                for r in parents:
+                    self._dependents.setdefault(r, []).append(s)
         self.arrivals = arrivals or ArrivalPlan(self_timed=True)
         self.record_iterations = record_iterations
         self.workload_info = workload_info or {}
@@ -219,7 +231,8 @@ class Simulator:
                 self._release_next_closed(EPOCH_NS)
         else:
             for s in sorted(self.specs, key=lambda s: s.offset_ns):  # stable: equal times keep workload order
-                self.events.push(EPOCH_NS + s.offset_ns, ARRIVAL, self._arrive, s)
+                if s.request_id not in self._waiting_on:
+                    self.events.push(EPOCH_NS + s.offset_ns, ARRIVAL, self._arrive, s)
         gc_enabled = gc.isenabled()
         gc.disable()  # millions of short-lived plan objects, no cycles worth collecting: ~10% faster
         try:
@@ -265,7 +278,7 @@ class Simulator:
         if why is not None:  # the engine's validate_prompt: refused before it is queued
             self.recorder.open(rid, spec.num_prompt_tokens, arrived_ns=now, tokenized_ns=now, queued_ns=now, worker="")
             self.recorder.finish(rid, "error", 0, now, error=why)
-            self._on_request_done(now)
+            self._on_request_done(now, rid)
             return
         worker = self._pick(role, spec.num_prompt_tokens)
         self._load(role, worker).add(spec.num_prompt_tokens)
@@ -388,15 +401,22 @@ class Simulator:
             self._load("colocated", t.worker).remove(t.spec.num_prompt_tokens)
         if t.flows_pending == 0:
             del self.tracks[rid]
-        self._on_request_done(now)
+        self._on_request_done(now, rid)
 
     def _fail(self, t: _Track, message: str, now: int) -> None:
         t.metrics.error = message
         self._finish(t, "error", now)
 
-    def _on_request_done(self, now: int) -> None:
+    def _on_request_done(self, now: int, rid: str) -> None:
         if self.arrivals.concurrency is not None:
             self._release_next_closed(now)
+        else:
+            for s in self._dependents.pop(rid, ()):
+                waiting = self._waiting_on[s.request_id]
+                waiting.discard(rid)
+                if not waiting:
+                    del self._waiting_on[s.request_id]
+                    self.events.push(now, ARRIVAL, self._arrive, s)
 
     # -- disaggregation: the KV transfer ----------------------------------------------------------------------
     def _choose_decode(self, t: _Track) -> SimWorker:

@@ -38,6 +38,7 @@ from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import SimResult, Simulator
 from phaselab.sim.workload import SimRequest
 from phaselab.workload.arrivals import ArrivalPlan
+from phaselab.workload.rerun import RecordedRequest, recorded_workload
 
 Plan = list[tuple[str, int, bool]]  # (request, tokens, is_prefill) per scheduled request
 
@@ -109,7 +110,9 @@ def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, lis
     offset, for simulating the run's workload under another configuration (a prediction), whose
     iterations start elsewhere: a request that arrived during a long step then waits for it in the
     simulation too (queue, as the measured TTFT counts it), and is not delayed to where the recorded
-    run's iterations happened to start."""
+    run's iterations happened to start. At "arrival" the workload is read as `diagnose --verify`
+    reruns it (workload/rerun.py): a closed-loop request is released by its predecessor's end, and
+    prompts that hit the prefix cache share one prefix group."""
     assert at in ("iteration", "arrival"), at
     workers = {rec.worker for rec in data.iterations}
     if len(workers) != 1:
@@ -146,8 +149,13 @@ def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, lis
     requests = []
     # queue order: queued_ns (distinct in a real engine), ties by the id's natural order ("r2" < "r10")
     order = sorted(data.requests, key=lambda m: (m.queued_ns or m.arrived_ns, _natural(m.request_id)))
+    rerun: dict[str, RecordedRequest] = {}
     if at == "arrival":
         t0 = min([m.arrived_ns for m in order if m.queued_ns is not None] + starts[:1])
+        # the workload as a rerun reads it: its shared prefix, and what a closed-loop client released
+        recorded, rerun_notes = recorded_workload(order)
+        rerun = {r.request_id: r for r in recorded}
+        notes += rerun_notes
     for i, m in enumerate(order):
         if m.finish_reason in ("abort", "error") or m.queued_ns is None:
             notes.append(f"request {m.request_id} ({m.finish_reason}) is not replayed")
@@ -156,13 +164,17 @@ def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, lis
         if k == len(starts):
             notes.append(f"request {m.request_id} was queued after the last iteration; not replayed")
             continue
-        if m.num_cached_tokens > 0:
+        r = rerun.get(m.request_id)
+        if m.num_cached_tokens > 0 and r is None:
             notes.append(f"request {m.request_id} had {m.num_cached_tokens} prefix-cache hit tokens in the real run; "
                          "synthetic tokens may not reproduce them")
         n_out = m.num_output_tokens
         requests.append(SimRequest(m.request_id, m.num_prompt_tokens, max_tokens=n_out,
                                    output_len=n_out if m.finish_reason == "stop" else None, index=i,
-                                   arrival_ns=(starts[k] if at == "iteration" else m.arrived_ns) - t0))
+                                   arrival_ns=(starts[k] if at == "iteration" else m.arrived_ns) - t0,
+                                   prefix_group=0 if r is not None and r.shared_prefix else None,
+                                   prefix_len=r.shared_prefix if r is not None else 0,
+                                   after_finished=r.after_finished if r is not None else None))
     return deployment, requests, cycles, notes
 
 

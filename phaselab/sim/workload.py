@@ -47,6 +47,7 @@ class SimRequest:
     prompt_token_ids: list[int] | None = None  # exact ids (e.g. tokenized bench prompts)
     index: int = 0  # position in the workload (makes synthetic prompts unique)
     arrival_ns: int | None = None  # exact offset in ns (replays); overrides arrival_s
+    after_finished: str | tuple[str, ...] | None = None  # released when that request (all those) ended, not at an offset
 
     @property
     def offset_ns(self) -> int:

@@ -40,7 +40,7 @@ class Arrival:
     group: str = "default"
     at_s: float | None = None  # seconds after the run's start
     after_group_tokens: tuple[str, int] | None = None  # every request of the group has >= n tokens (or finished)
-    after_finished: str | None = None  # that request finished
+    after_finished: str | tuple[str, ...] | None = None  # that request (every one of those) finished
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,13 @@ class Driven:
     @property
     def makespan_s(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
+
+
+def ended_set(after_finished: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    """The request ids an `after_finished` trigger waits for (one id, or all of several)."""
+    if after_finished is None:
+        return ()
+    return (after_finished,) if isinstance(after_finished, str) else tuple(after_finished)
 
 
 def random_prompt(rng: np.random.Generator, n: int) -> list[int]:
@@ -117,7 +124,7 @@ def run_arrivals(engine: Any, arrivals: Sequence[Arrival], on_progress: Callable
         if t is not None:
             return now >= t0 + int(t * 1e9)
         if a.after_finished is not None:
-            return a.after_finished in finished
+            return all(r in finished for r in ended_set(a.after_finished))
         if a.after_group_tokens is not None:
             g, n = a.after_group_tokens
             members = groups.get(g, [])
