@@ -74,9 +74,12 @@ class Prediction:
 
     def range(self, name: str) -> tuple[float, float] | None:
         """(lowest, highest) relative change over this prediction and its other readings; None
-        without other readings (the run separated what the change depends on)."""
+        without other readings (the run separated what the change depends on) or where they agree
+        within half a percent (the change does not depend on the split)."""
         vals = [v for v in [self.relative(name)] + [r.get(name) for r in self.readings] if v is not None]
-        return (min(vals), max(vals)) if self.readings and vals else None
+        if not self.readings or not vals or max(vals) - min(vals) < 0.005:  # the readings agree
+            return None
+        return min(vals), max(vals)
 
     def hurts(self) -> list[str]:
         """User-facing figures the change is predicted to worsen by more than HURT_TOLERANCE."""
