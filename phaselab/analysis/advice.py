@@ -87,7 +87,9 @@ def prediction_text(p: Prediction) -> list[str]:
         if measured is None or predicted is None:
             continue
         val = (lambda v: f"{v:.1f}") if name == "output_tokens_per_s" else fmt.s
-        rows.append(f"{LABEL[name]} {val(measured)} -> {val(predicted)} ({rel:+.0%})" if rel is not None else
+        span = p.range(name)
+        extra = f"; {span[0]:+.0%} to {span[1]:+.0%} over the readings the run allows" if span else ""
+        rows.append(f"{LABEL[name]} {val(measured)} -> {val(predicted)} ({rel:+.0%}{extra})" if rel is not None else
                     f"{LABEL[name]} {val(measured)}")
     err = f"; cost model calibrated on this run, mean iteration error {p.cost_model_error:.0%}" \
         if p.cost_model_error is not None else ""
@@ -130,6 +132,9 @@ def attach(d: Diagnosis, findings: list[Finding], run: RunData, path: str | None
             f.suggested = worst <= gain
             f.change = f"{head}: `{c.flags}` costs {cost_text} for {LABEL[target]} {p.relative(target):+.0%}. " + f.change
         measured, predicted = p.measured.get(target), p.predicted(target)
+        span = p.range(target)
+        if span is not None and measured is not None:  # reachable under every reading: the weakest one
+            predicted = measured * (1 + (span[1] if LOWER_IS_BETTER[target] else span[0]))
         if measured is not None and predicted is not None:
             threshold = measured + WORKED_FRACTION * (predicted - measured)
             better = "below" if LOWER_IS_BETTER[target] else "above"

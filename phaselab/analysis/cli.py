@@ -95,7 +95,8 @@ def _verify(diag: Any, ns: argparse.Namespace) -> int:
         out = Path(ns.out or ns.run_dir) / "verify.json"
         out.write_text(json.dumps({"cause": top.cause, "flags": top.prediction.change.flags,
                                    "rows": [{**dict(zip(("figure", "before", "after", "predicted_change",
-                                                         "measured_change"), r)), "spread": v.spread(r[0])}
+                                                         "measured_change"), r)), "spread": v.spread(r[0]),
+                                             "predicted_range": top.prediction.range(r[0])}
                                             for r in v.rows()],
                                    "runs": v.runs, "notes": v.notes}, indent=2) + "\n", encoding="utf-8")
     return 0

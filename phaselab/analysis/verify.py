@@ -63,7 +63,9 @@ class Verification:
             val = (lambda v: f"{v:.1f}" if v is not None else "—") if n == "output_tokens_per_s" else fmt.s
             pct = (lambda v: f"{v:+.0%}" if v is not None else "—")
             noise = self.spread(n)
-            out.append(f"  {LABEL[n]:<16} {val(b):>10} {val(a):>10} {pct(pr):>10} {pct(me):>10}"
+            span = self.prediction.range(n)  # the readings of what the calibration run could not separate
+            predicted = f"{span[0]:+.0%}..{span[1]:+.0%}" if span else pct(pr)
+            out.append(f"  {LABEL[n]:<16} {val(b):>10} {val(a):>10} {predicted:>10} {pct(me):>10}"
                        + (f"   (runs of one side differ by up to {noise:.0%})" if noise is not None else ""))
         out += [f"  note: {x}" for x in self.notes]
         return "\n".join(out) + "\n"

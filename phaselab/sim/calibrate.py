@@ -62,6 +62,9 @@ class Fit:
     predicted_total_s: float = 0.0
     notes: list[str] = field(default_factory=list)  # e.g. the ceilings were measured on another CPU (host.py)
     spread: list[str] = field(default_factory=list)  # what the run's shapes cannot separate (spread_notes)
+    # per note of `spread`, the coefficients it cannot tell apart where pinning either one at 0 is a
+    # valid reading of the run (the decode batch: o_iter vs o_req); () where there is none
+    unseparated: list[tuple[str, ...]] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         errs = np.abs(np.asarray(self.rel_errors)) if self.rel_errors else np.zeros(1)
@@ -247,23 +250,25 @@ def _span(lo: int, hi: int) -> str:
     return str(lo) if lo == hi else f"{lo}-{hi}"
 
 
-def spread_notes(f: dict[str, np.ndarray], wide_rows: int) -> list[str]:
+def spread_notes(f: dict[str, np.ndarray], wide_rows: int) -> list[tuple[str, tuple[str, ...]]]:
     """What the run's iterations cannot separate (their shapes did not vary): said, not guessed at.
     A prediction that moves a run outside its shapes (more rows per iteration, bigger decode batches)
-    extrapolates there."""
-    notes = []
+    extrapolates there. Each note comes with the coefficients whose split it leaves open, where
+    either one at 0 fits the run as well (analysis/predict.py predicts with both)."""
+    notes: list[tuple[str, tuple[str, ...]]] = []
     prefill = f["nc"] > 0
     if prefill.sum() >= 2 and f["T"][prefill].max() < SPAN * f["T"][prefill].min():
         lo, hi = int(f["T"][prefill].min()), int(f["T"][prefill].max())
         fixed = f" (the weights' widening above {wide_rows} rows)" if wide_rows else ""
-        notes.append(f"every iteration with a prefill chunk had {_span(lo, hi)} rows: the fit cannot separate a "
-                     f"prefill's per-row cost from its fixed cost{fixed}, so a change that puts more or fewer rows in "
-                     "an iteration is an extrapolation")
+        notes.append((f"every iteration with a prefill chunk had {_span(lo, hi)} rows: the fit cannot separate a "
+                      f"prefill's per-row cost from its fixed cost{fixed}, so a change that puts more or fewer rows in "
+                      "an iteration is an extrapolation", ()))
     decode = (f["nc"] == 0) & (f["n"] > 0)
     if decode.sum() >= 2 and f["n"][decode].max() < SPAN * f["n"][decode].min():
         lo, hi = int(f["n"][decode].min()), int(f["n"][decode].max())
-        notes.append(f"every decode-only iteration ran {_span(lo, hi)} sequences: the fit cannot separate a sequence's "
-                     "cost from the step's, so a change of the decode batch is an extrapolation")
+        notes.append((f"every decode-only iteration ran {_span(lo, hi)} sequences: the fit cannot separate a "
+                      "sequence's cost from the step's, so a change of the decode batch is an extrapolation",
+                      ("o_iter", "o_req")))
     return notes
 
 
@@ -385,8 +390,10 @@ def fit_params(iterations: list[IterationRecord], measured_ns: list[int], model:
                  "allreduce_latency_s": start.source("allreduce_latency_s")})
     # the error of what the simulator will predict with these parameters
     pred, _ = _predict(_to_x(params, model.num_hidden_layers), f)
+    spread = spread_notes(f, wide_rows)
     return Fit(params, dict(zip(COLUMNS, (float(v) for v in x))), len(y), ((pred - y) / y).tolist(),
-               float(y.sum()), float(pred.sum()), spread=spread_notes(f, wide_rows))
+               float(y.sum()), float(pred.sum()), spread=[n for n, _ in spread],
+               unseparated=[cols for _, cols in spread])
 
 
 def predict_iterations(params: CostParams, iterations: list[IterationRecord], model: ModelConfig, hw: HardwareSpec,
@@ -415,10 +422,10 @@ def run_wide_rows(config: dict[str, Any]) -> int:
 
 
 def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: str | HardwareSpec | None = None,
-              weighting: str = "sqrt") -> tuple[Fit, HardwareSpec]:
+              weighting: str = "sqrt", fixed: dict[str, float] | None = None) -> tuple[Fit, HardwareSpec]:
     """Fit a real run, or several runs of one engine pooled (a list: their iterations fitted together,
     each run's cycles its own; e.g. runs alternated with others so that a drift of a shared machine's
-    speed falls on both sides). The efficiencies are capped at 1 of `hardware`'s ceilings: by default
+    speed falls on both sides). `fixed` pins coefficients (fit_params). The efficiencies are capped at 1 of `hardware`'s ceilings: by default
     the ones the engine measured on the run's host and recorded in it, else the catalog's `cpu` entry
     (host.py); a warning (also in fit.notes) says when they were measured on another CPU than the run's."""
     paths = list(path) if isinstance(path, (list, tuple)) else [path]
@@ -441,7 +448,7 @@ def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: s
     if not iters:
         raise ValueError(f"{', '.join(map(str, paths))} has no iterations to fit")
     fit = fit_params(iters, cycles, model, hw, dtype_bytes, " + ".join(map(str, paths)), weighting=weighting,
-                     wide_rows=run_wide_rows(data.config))
+                     wide_rows=run_wide_rows(data.config), fixed=fixed)
     fit.notes = host_mismatch(data.config, hw)
     for note in fit.notes:
         warnings.warn(note, stacklevel=2)
