@@ -78,3 +78,20 @@ def test_a_run_whose_decode_batches_vary_gets_one_prediction(tmp_path):
     truth = _itl_p50_change(reqs, 16)
     print(f"ITL p50: true change {truth:+.1%}; predicted {p.relative('itl_p50_s'):+.1%}")
     assert p.relative("itl_p50_s") == pytest.approx(truth, abs=0.05)
+
+
+def test_spread_notes_name_what_a_run_of_one_shape_cannot_separate():
+    """The caveats come from the iterations' shapes: prefills all of one size (per-row vs fixed cost),
+    decodes all of one batch (per-sequence vs per-step: with the pair whose split is read both ways)."""
+    import numpy as np
+
+    from phaselab.sim.calibrate import spread_notes
+
+    def f(rows, chunks, seqs):
+        return {"T": np.array(rows, float), "nc": np.array(chunks, float), "n": np.array(seqs, float)}
+
+    one_shape = spread_notes(f([96, 96, 2, 2, 2], [2, 2, 0, 0, 0], [2, 2, 2, 2, 2]), wide_rows=8)
+    assert [cols for _, cols in one_shape] == [(), ("o_iter", "o_req")]
+    assert "had 96 rows" in one_shape[0][0] and "ran 2 sequences" in one_shape[1][0]
+    varied = spread_notes(f([48, 96, 2, 1, 2], [1, 2, 0, 0, 0], [1, 2, 2, 1, 2]), wide_rows=8)
+    assert varied == []
