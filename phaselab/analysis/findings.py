@@ -222,9 +222,10 @@ def _transfer_finding(d: Diagnosis) -> Finding:
                      else "add decode capacity") + ", or raise the decode workers' KV memory")
         check = f"transfer queue + admission wait p50 below {fmt.s(waits / 3)} (now {fmt.s(waits)})"
     else:
-        change = ("the KV transfer itself is slow: use a faster transport (--kv-transport; shared memory or "
-                  "RDMA/NCCL between hosts), overlap it with prefill layer by layer, or keep short prompts colocated "
-                  "where the transfer costs more than the interference it removes")
+        change = ("the KV transfer itself is slow: serve colocated (--mode colocated) where the transfer costs more "
+                  "than the interference it removes (its prediction weighs the two on this run), or use a "
+                  "faster transport (--kv-transport; shared memory or RDMA/NCCL between hosts), or overlap it with "
+                  "prefill layer by layer")
         target = (x.bandwidth or 0) * 4
         check = (f"achieved KV bandwidth above {fmt.rate(target)} (now {fmt.rate(x.bandwidth)}) and transfer p50 "
                  f"below {fmt.s((x.transfer_p50_s or 0) / 4)}")
