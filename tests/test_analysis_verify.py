@@ -2,6 +2,8 @@
 (the bundled model, bf16, the workloads of tests/test_analysis_causes.py):
 
     queue        max_num_seqs=2, a burst of 12 requests      -> more --max-num-seqs   (TTFT p99)
+    prefill      lone prompts sharing a 512-token beginning, prefix caching off -> --enable-prefix-caching
+                 (TTFT p50)
     stall        prefill-first, 1024-token prompts among streams -> --policy chunked  (ITL p99)
     kv-capacity  a 4 MiB cache for 10 growing requests         -> more --kv-cache-memory (TTFT p50)
     decode-kv    32 sequences decoding over a cached 3000-token prefix -> fewer --max-num-seqs (ITL p50)
@@ -37,6 +39,7 @@ from phaselab.analysis.advice import LABEL, TARGET
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.analysis.predict import LOWER_IS_BETTER
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
+from tests.test_analysis_causes import prefill_arrivals
 
 pytestmark = pytest.mark.slow
 REL = 0.25
@@ -67,6 +70,8 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
         arrivals += [Arrival(f"long-{k}", random_prompt(rng, 1024), 2, "long",
                              after_group_tokens=("stream", 6 + 10 * k)) for k in range(2)]
         return arrivals, {"policy": "prefill-first"}, "--policy chunked"
+    if name == "prefill":  # test_analysis_causes.py's: lone prompts sharing a 512-token beginning, cache off
+        return prefill_arrivals(), {"enable_prefix_caching": False}, "--enable-prefix-caching"
     if name == "decode-kv":
         rng = np.random.default_rng(2)
         prefix = random_prompt(rng, 3000)
@@ -79,7 +84,7 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
             {"kv_cache_memory": "4MiB", "max_num_seqs": 10, "max_model_len": 112}, "--kv-cache-memory")
 
 
-@pytest.mark.parametrize("cause", ["queue", "stall", "kv-capacity", "decode-kv"])
+@pytest.mark.parametrize("cause", ["queue", "prefill", "stall", "kv-capacity", "decode-kv"])
 def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
     from phaselab.analysis.verify import verify
     from phaselab.config import EngineArgs

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from phaselab.analysis import fmt
+from phaselab.analysis.findings import REPEAT_SHARE
 from phaselab.analysis.predict import LOWER_IS_BETTER, Change, Prediction, make_predictor
 
 if TYPE_CHECKING:
@@ -85,6 +86,9 @@ def suggested_change(d: Diagnosis, f: Finding, run: RunData) -> Change | None:
         # the wire is the cost (not waiting for it): one engine moves no KV; the prediction weighs the
         # transfer it saves against the interference it brings back
         return Change({}, "--mode colocated", {"mode": "colocated"}, {"mode": "colocated"})
+    if f.cause == "prefill" and d.prefill is not None and d.prefill.prefix_caching is False and \
+            (d.prefill.repeat_missed_rate or 0) >= REPEAT_SHARE:
+        return Change({}, "--enable-prefix-caching", {"enable_prefix_caching": True}, {"enable_prefix_caching": True})
     if f.cause == "prefill" and policy == "chunked" and budget and (d.prefill and (d.prefill.wait_share_of_ttft or 0) > 0.2):
         return Change({"max_num_batched_tokens": 2 * budget}, f"--max-num-batched-tokens {2 * budget}",
                       {"max_num_batched_tokens": 2 * budget})
