@@ -19,7 +19,10 @@ changes' effect; only reruns side by side measure the change rather than the mac
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +90,35 @@ def workload(data: Any, seed: int = 0) -> tuple[list[Any], list[str]]:
     return arrivals, notes
 
 
+@contextlib.contextmanager
+def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> Iterator[None]:
+    """Build the rerun's engine on the linear path the run recorded (config.json's `linear`: path and
+    batched GEMM), forced by their environment variables, unless the change is about the weights or
+    dtype. Left to `--weights auto`, the rerun would measure again and may choose another path: a
+    run made on a dense checkpoint (the bf16 kernel) was rerun on the Q4_1 kernel, whose per-row cost
+    made a batch of 4 cost 32 ms a step where the run's path took 26 ms, and the prediction, made for
+    the run's path, was judged against another engine."""
+    from phaselab.model.linear import ENV_VAR
+    from phaselab.model.linear_probe import BATCHED_ENV
+
+    lin = config.get("linear") or {}
+    pinned = {ENV_VAR: lin.get("path"), BATCHED_ENV: lin.get("batched")}
+    if "weights" in overrides or "dtype" in overrides or not isinstance(lin, dict):
+        pinned = {}
+    saved = {k: os.environ.get(k) for k in pinned}
+    try:
+        for k, v in pinned.items():
+            if v:
+                os.environ[k] = str(v)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any], what: str) -> dict[str, float | None]:
     from phaselab.config import EngineArgs
     from phaselab.engine.engine import LLMEngine
@@ -95,7 +127,8 @@ def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any],
     args = {k: v for k, v in (config.get("engine_args") or {}).items() if k in EngineArgs.__dataclass_fields__}
     if args.get("mode", "colocated") != "colocated":
         raise ValueError("--verify reruns one-engine runs only; rerun a disaggregated deployment with compare")
-    engine = LLMEngine(EngineArgs(**{**args, **overrides}))
+    with _recorded_linear_path(config, overrides):
+        engine = LLMEngine(EngineArgs(**{**args, **overrides}))
 
     def progress(done: int, total: int) -> None:
         print(f"\r  {what}: {done}/{total} requests", end="", file=sys.stderr, flush=True)
