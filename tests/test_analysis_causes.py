@@ -2,7 +2,8 @@
 workloads driven with arrival timing by phaselab.workload.driver.run_arrivals):
 
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
-    prefill-bound    long prompts, few requests, one at a time, two output tokens
+    prefill-bound    long prompts, few requests, one at a time, two output tokens, all beginning with the
+                     same 512 tokens and prefix caching off
     decode/KV-bound  long histories (a 3000-token shared prefix, served by the prefix cache), batch 32;
                      truth: the same batch at short histories
     KV capacity      a 4 MiB cache for 10 growing requests; truth: the scheduler's preemption count
@@ -84,13 +85,28 @@ def test_queue_bound(checkpoint, tmp_path):
     assert d.queue.arrival_rate > d.queue.service_rate
 
 
-def test_prefill_bound(checkpoint, tmp_path):
+PREFIX = 512
+PREFILL_LENGTHS = (528, 704, 880, 1056, 1232)
+
+
+def prefill_arrivals() -> list[Arrival]:
+    """The prefill-bound workload: lone prompts one after another (each sent when the last one
+    ended), every one beginning with the same 512 tokens (a system prompt's shape)."""
     rng = np.random.default_rng(1)
+    prefix = random_prompt(rng, PREFIX)
     arrivals: list[Arrival] = []
-    for n in (256, 512, 768, 1024):
-        arrivals.append(Arrival(f"p{n}", random_prompt(rng, n), 2, at_s=None if arrivals else 0.0,
+    for n in PREFILL_LENGTHS:
+        arrivals.append(Arrival(f"p{n}", prefix + random_prompt(rng, n - PREFIX), 2, at_s=None if arrivals else 0.0,
                                 after_finished=arrivals[-1].request_id if arrivals else None))
-    d, _ = _run(_engine(checkpoint), arrivals, tmp_path / "prefill")
+    return arrivals
+
+
+def test_prefill_bound(checkpoint, tmp_path):
+    """Prefill-bound with prefix caching off: the top cause is prefill, its share of TTFT is the
+    records' prefill compute over their TTFT, and the repeated beginnings (known by construction:
+    every prompt after the first repeats the 512 shared tokens) are found and prefix caching is
+    the change (its rerun: tests/test_analysis_verify.py)."""
+    d, _ = _run(_engine(checkpoint, enable_prefix_caching=False), prefill_arrivals(), tmp_path / "prefill")
     assert d.top is not None and d.top.cause == "prefill", d.account.shares
     reqs = _raw(tmp_path / "prefill", "requests.jsonl")
     compute = sum(c["end_ns"] - c["start_ns"] for r in reqs for c in r["prefill_chunks"])
@@ -98,11 +114,14 @@ def test_prefill_bound(checkpoint, tmp_path):
     print(f"prefill share of TTFT: diagnosis {d.top.key.value:.4f}, records {truth:.4f}" + _shares(d))
     assert d.top.key.value == pytest.approx(truth, rel=REL)
     fit = d.prefill.fit
-    assert fit is not None and fit.slope > 0 and fit.n == 4
+    assert fit is not None and fit.slope > 0 and fit.n == len(PREFILL_LENGTHS)
     # the slope against the records' own (tokens, chunk time) points
     xs = [r["num_prompt_tokens"] for r in reqs]
     ys = [sum(c["end_ns"] - c["start_ns"] for c in r["prefill_chunks"]) / 1e9 for r in reqs]
     assert fit.slope == pytest.approx(float(np.polyfit(xs, ys, 1)[0]), rel=REL)
+    repeated = PREFIX * (len(PREFILL_LENGTHS) - 1) / sum(PREFILL_LENGTHS)
+    assert d.prefill.repeat_missed_rate == pytest.approx(repeated) and d.prefill.prefix_caching is False
+    assert d.top.prediction is not None and d.top.prediction.change.flags == "--enable-prefix-caching"
 
 
 def _decode_steps_at(path, batch):

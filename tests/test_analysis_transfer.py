@@ -55,13 +55,15 @@ def _kv_bytes_per_block() -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * 16  # K and V, bf16, 16 tokens
 
 
-def test_slow_link_transfer_is_the_top_cause(tmp_path):
+@pytest.fixture(scope="module")
+def slow_link_run(tmp_path_factory):
+    """The scenario's run (module docstring), its deployment left serving for the verify test, and
+    the bytes the veth counted while the bench ran."""
     try:
         require_netns()
     except NetnsUnavailable as e:
         pytest.fail(f"the transfer scenario cannot run here: {e}")
-    from phaselab.analysis.diagnose import diagnose, write_diagnosis
-
+    tmp_path = tmp_path_factory.mktemp("slow-link")
     record, log_path = str(tmp_path / "server-run"), str(tmp_path / "server.log")
     with NetnsPair(rate=RATE, burst=BURST, control=True) as net:
         hosts = RayHosts(net).start()
@@ -78,10 +80,16 @@ def test_slow_link_transfer_is_the_top_cause(tmp_path):
             assert bench.returncode == 0, bench.stdout[-3000:] + bench.stderr[-3000:]
             flushed = httpx.post(url + "/record/flush", timeout=120)
             assert flushed.status_code == 200, flushed.text
-            qdisc = net.qdisc("a")
+            yield {"record": record, "url": url, "link_bytes": link_bytes, "qdisc": net.qdisc("a"),
+                   "client": json.loads((tmp_path / "client-run" / "result.json").read_text())}
         finally:
             hosts.stop()
-    client = json.loads((tmp_path / "client-run" / "result.json").read_text())
+
+
+def test_slow_link_transfer_is_the_top_cause(slow_link_run):
+    from phaselab.analysis.diagnose import diagnose, write_diagnosis
+
+    record, link_bytes, qdisc, client = (slow_link_run[k] for k in ("record", "link_bytes", "qdisc", "client"))
     assert client["completed"] == NUM_PROMPTS, client
     d = diagnose(record)
     write_diagnosis(d, record)
@@ -98,3 +106,38 @@ def test_slow_link_transfer_is_the_top_cause(tmp_path):
     assert d.top is not None and d.top.cause == "transfer", d.account.shares
     assert d.top.key.value == pytest.approx(truth, rel=REL)
     assert d.disagg is not None and d.disagg.bytes_total == payload
+
+
+def test_serving_colocated_is_predicted_and_verified_against_the_slow_link(slow_link_run):
+    """The transfer's suggestion on this run, `--mode colocated`, predicted on the run (its pools
+    and the link as its transfers measured it, simulated with the engine's scheduler, against one
+    engine) and checked by rerunning the recorded workload, alternated, against the disaggregated
+    deployment over the shaped link and against a colocated server: the E2E change it targets is
+    measured, and the predicted change is within 25% of it. `diagnose --verify` without servers
+    says what to pass."""
+    from phaselab.analysis.advice import TARGET
+    from phaselab.analysis.diagnose import diagnose
+    from phaselab.analysis.verify import verify
+    from tests._server_helpers import ServerProcess
+
+    record, url = slow_link_run["record"], slow_link_run["url"]
+    d = diagnose(record)
+    top = d.top
+    assert top is not None and top.cause == "transfer", d.account.shares
+    assert top.prediction is not None and top.suggested, top.evidence
+    assert top.prediction.change.flags == "--mode colocated"
+    cli = subprocess.run([sys.executable, "-m", "phaselab", "diagnose", record, "--verify", "--no-write"],
+                         capture_output=True, text=True, timeout=300)
+    assert cli.returncode == 2 and "--before-url URL --after-url URL" in cli.stderr, cli.stderr[-2000:]
+    colocated = ServerProcess("--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+                              "--no-enable-prefix-caching")
+    try:
+        colocated.wait_ready(300)
+        v = verify(record, top.prediction, rounds=2, before_url=url, after_url=colocated.url)
+    finally:
+        colocated.stop()
+    print("\n" + v.text())
+    target = TARGET["transfer"]
+    predicted, measured = v.prediction.relative(target), v.measured_relative(target)
+    assert measured is not None and measured < 0, v.text()
+    assert predicted is not None and abs(predicted - measured) <= 0.25 * abs(measured), v.text()

@@ -30,12 +30,13 @@ def test_verify_reruns_the_highest_ranked_suggested_change(monkeypatch, capsys, 
         def rows(self):
             return []
 
-    def fake_verify(path, prediction):  # the rerun itself is tests/test_analysis_verify.py's
+    def fake_verify(path, prediction, before_url=None, after_url=None):  # the rerun is test_analysis_verify.py's
+        assert before_url is None and after_url is None
         verified.append(prediction.change.flags)
         return _Verification()
 
     monkeypatch.setattr(verify_module, "verify", fake_verify)
-    ns = argparse.Namespace(run_dir=str(tmp_path), out=None, no_write=True)
+    ns = argparse.Namespace(run_dir=str(tmp_path), out=None, no_write=True, before_url=None, after_url=None)
     none = SimpleNamespace(findings=[finding("decode"), finding("stall", "--max-num-batched-tokens 1024", False)])
     assert _verify(none, ns) == 2 and verified == []
     err = capsys.readouterr().err

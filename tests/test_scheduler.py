@@ -411,6 +411,26 @@ def test_no_prefix_hits_when_disabled():
     assert h.sched.prefix_cache_stats.num_queries == 0
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_repeats_count_the_prefix_an_earlier_request_began_with_cache_on_or_off(caching):
+    """Repeats are counted from the token ids themselves: the full blocks of a prompt that an
+    earlier request's prompt (or finished sequence: a follow-up turn) began with; with caching on
+    they equal the hits here (nothing evicted), with it off they are what the cache would skip."""
+    h = Harness(block_size=4, enable_prefix_caching=caching)
+    shared = prompt(9)
+    a = h.add("a", shared + [1, 2], max_tokens=3, ignore_eos=True)
+    h.run()
+    b = h.add("b", shared + [3, 4, 5], max_tokens=2)  # 2 full blocks of the 9 shared tokens
+    c = h.add("c", prompt(9, 1), max_tokens=2)  # another prompt: nothing repeated
+    follow = h.add("d", a.all_token_ids + [7, 7, 7], max_tokens=2)  # the next turn of a's conversation
+    h.run()
+    assert (a.num_repeat_tokens, b.num_repeat_tokens, c.num_repeat_tokens) == (0, 8, 0)
+    assert follow.num_repeat_tokens == 12  # a's prompt and output: 14 tokens, 3 full blocks
+    assert b.num_cached_tokens == (8 if caching else 0)
+    assert h.outputs["b"] == h.expected("b") and h.outputs["d"] == h.expected("d")
+    h.assert_all_blocks_free()
+
+
 # -- abort ----------------------------------------------------------------------------------
 def test_abort_in_every_state():
     h = Harness(max_num_seqs=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from phaselab.analysis import fmt
+from phaselab.analysis.findings import REPEAT_SHARE
 from phaselab.analysis.predict import LOWER_IS_BETTER, Change, Prediction, make_predictor
 
 if TYPE_CHECKING:
@@ -21,7 +22,9 @@ if TYPE_CHECKING:
 # the user-facing figure each cause's change is meant to improve
 # (a stall is a tail: ITL p99; K/V reads slow every step: ITL p50, the typical gap between tokens)
 TARGET = {"queue": "ttft_p99_s", "prefill": "ttft_p50_s", "stall": "itl_p99_s", "kv-capacity": "ttft_p50_s",
-          "decode-kv": "itl_p50_s", "decode-step": "output_tokens_per_s"}
+          "decode-kv": "itl_p50_s", "decode-step": "output_tokens_per_s",
+          # a transfer delays every token after the first (the prefill worker streams the first itself)
+          "transfer": "e2e_mean_s"}
 LABEL = {"ttft_p50_s": "TTFT p50", "ttft_p99_s": "TTFT p99", "itl_p50_s": "ITL p50", "itl_p99_s": "ITL p99",
          "e2e_mean_s": "E2E mean",
          "output_tokens_per_s": "output tokens/s"}
@@ -42,6 +45,9 @@ def suggested_change(d: Diagnosis, f: Finding, run: RunData) -> Change | None:
     cache = d.config.get("cache") or {}
     seqs, policy, budget = sched.get("max_num_seqs"), sched.get("policy"), sched.get("max_num_batched_tokens")
     peak = max((r.num_running for r in run.iterations), default=0)
+    disagg = d.config.get("mode") == "disagg"
+    if disagg and f.cause != "transfer":  # the knobs below are one engine's; a pool's change is not simulated
+        return None
 
     def more_kv() -> Change | None:
         if not cache.get("num_blocks") or not args.get("kv_cache_memory"):
@@ -75,6 +81,14 @@ def suggested_change(d: Diagnosis, f: Finding, run: RunData) -> Change | None:
                       {"max_num_seqs": max(1, peak // 2)})
     if f.cause == "decode-step" and seqs:
         return Change({"max_num_seqs": 2 * seqs}, f"--max-num-seqs {2 * seqs}", {"max_num_seqs": 2 * seqs})
+    if f.cause == "transfer" and d.disagg is not None and (d.disagg.transfer_p50_s or 0) >= \
+            (d.disagg.admission_wait_p50_s or 0) + (d.disagg.transfer_queue_p50_s or 0):
+        # the wire is the cost (not waiting for it): one engine moves no KV; the prediction weighs the
+        # transfer it saves against the interference it brings back
+        return Change({}, "--mode colocated", {"mode": "colocated"}, {"mode": "colocated"})
+    if f.cause == "prefill" and d.prefill is not None and d.prefill.prefix_caching is False and \
+            (d.prefill.repeat_missed_rate or 0) >= REPEAT_SHARE:
+        return Change({}, "--enable-prefix-caching", {"enable_prefix_caching": True}, {"enable_prefix_caching": True})
     if f.cause == "prefill" and policy == "chunked" and budget and (d.prefill and (d.prefill.wait_share_of_ttft or 0) > 0.2):
         return Change({"max_num_batched_tokens": 2 * budget}, f"--max-num-batched-tokens {2 * budget}",
                       {"max_num_batched_tokens": 2 * budget})

@@ -31,8 +31,14 @@ def add_analysis_parsers(subparsers: Any) -> None:
     d.add_argument("--no-write", action="store_true", help="print only; write no file")
     d.add_argument("--json", action="store_true", help="print diagnosis.json instead of the text")
     d.add_argument("--verify", action="store_true",
-                   help="rerun the recorded workload as recorded and with the top suggested change (one-engine runs "
-                        "phaselab made) and print the predicted vs measured change of each figure")
+                   help="rerun the recorded workload as recorded and with the top suggested change (runs phaselab "
+                        "made) and print the predicted vs measured change of each figure; one-engine runs rerun in "
+                        "this process, or against servers given with --before-url/--after-url")
+    d.add_argument("--before-url", default=None, metavar="URL",
+                   help="--verify against servers: the deployment as recorded (a disaggregated run needs this: its "
+                        "workers and link cannot be rebuilt in this process)")
+    d.add_argument("--after-url", default=None, metavar="URL",
+                   help="--verify against servers: the deployment with the suggested change")
 
     t = subparsers.add_parser(
         "timeline", help="PNG and interactive HTML timeline of one or more runs (shared time axis)",
@@ -89,7 +95,11 @@ def _verify(diag: Any, ns: argparse.Namespace) -> int:
         return 2
     print(f"phaselab diagnose --verify: verifying #{rank + 1} {top.cause}: "
           f"`{top.prediction.change.flags}`", file=sys.stderr)
-    v = verify(ns.run_dir, top.prediction)
+    try:
+        v = verify(ns.run_dir, top.prediction, before_url=ns.before_url, after_url=ns.after_url)
+    except ValueError as e:
+        print(f"phaselab diagnose --verify: {e}", file=sys.stderr)
+        return 2
     sys.stdout.write(v.text())
     if not ns.no_write:
         out = Path(ns.out or ns.run_dir) / "verify.json"

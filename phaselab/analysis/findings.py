@@ -138,6 +138,9 @@ def _queue_finding(d: Diagnosis) -> Finding:
     return _f("queue", KeyFigure("queue share of TTFT", q.share_of_ttft or 0.0, "share"), verdict, ev, change, check)
 
 
+REPEAT_SHARE = 0.1  # repeated prompt tokens computed again: above this share, prefix caching is the change
+
+
 def _prefill_finding(d: Diagnosis) -> Finding:
     p = d.prefill
     assert p is not None
@@ -169,8 +172,17 @@ def _prefill_finding(d: Diagnosis) -> Finding:
                   "of TTFT")
     if p.prefix_hit_rate:
         ev.append(f"prefix cache served {fmt.pct(p.prefix_hit_rate)} of prompt tokens")
+    repeats = (p.repeat_missed_rate or 0) >= REPEAT_SHARE
+    if p.repeat_missed_rate:
+        ev.append(f"{fmt.pct(p.repeat_missed_rate)} of prompt tokens repeated the beginning of an earlier request "
+                  "and were computed again" + (" (prefix caching is off)" if p.prefix_caching is False else
+                                              " (evicted before they were reused, or computed by requests admitted "
+                                              "together)"))
     policy, budget = _policy(d.config)
-    if p.wait_share_of_ttft and p.wait_share_of_ttft > 0.2 and policy == "chunked":
+    if repeats and p.prefix_caching is False:
+        change = (f"prompts repeat each other's beginnings ({fmt.pct(p.repeat_missed_rate)} of prompt tokens) and "
+                  "prefix caching is off: turn it on (--enable-prefix-caching) so each repeat is computed once")
+    elif p.wait_share_of_ttft and p.wait_share_of_ttft > 0.2 and policy == "chunked":
         change = (f"chunks wait between iterations ({fmt.pct(p.wait_share_of_ttft)} of TTFT): raise "
                   f"--max-num-batched-tokens (now {budget}) or --max-num-partial-prefills")
     else:
@@ -222,9 +234,10 @@ def _transfer_finding(d: Diagnosis) -> Finding:
                      else "add decode capacity") + ", or raise the decode workers' KV memory")
         check = f"transfer queue + admission wait p50 below {fmt.s(waits / 3)} (now {fmt.s(waits)})"
     else:
-        change = ("the KV transfer itself is slow: use a faster transport (--kv-transport; shared memory or "
-                  "RDMA/NCCL between hosts), overlap it with prefill layer by layer, or keep short prompts colocated "
-                  "where the transfer costs more than the interference it removes")
+        change = ("the KV transfer itself is slow: serve colocated (--mode colocated) where the transfer costs more "
+                  "than the interference it removes (its prediction weighs the two on this run), or use a "
+                  "faster transport (--kv-transport; shared memory or RDMA/NCCL between hosts), or overlap it with "
+                  "prefill layer by layer")
         target = (x.bandwidth or 0) * 4
         check = (f"achieved KV bandwidth above {fmt.rate(target)} (now {fmt.rate(x.bandwidth)}) and transfer p50 "
                  f"below {fmt.s((x.transfer_p50_s or 0) / 4)}")

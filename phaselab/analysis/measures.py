@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 from phaselab.analysis.accounting import Gap, RunAccount
 from phaselab.analysis.stats import (
@@ -155,6 +156,10 @@ class PrefillAnalysis:
     mean_chunks: float | None
     wait_share_of_ttft: float | None
     prefix_hit_rate: float | None
+    # prompt tokens that repeated an earlier request's beginning (counted cache on or off) and were not
+    # hits: what prefix caching (on, or with room to keep them) could still skip
+    repeat_missed_rate: float | None = None
+    prefix_caching: bool | None = None  # the run's engine had it on (None: not recorded)
 
 
 def prefill_points(run: RunData) -> list[tuple[int, float]]:
@@ -198,7 +203,21 @@ def prefill_analysis(run: RunData, ttft: TtftBreakdown | None) -> PrefillAnalysi
         mean_chunks=sum(chunks) / len(chunks) if chunks else None,
         wait_share_of_ttft=wait,
         prefix_hit_rate=sum(m.num_cached_tokens for m in run.requests) / prompt if prompt else None,
+        repeat_missed_rate=sum(max(0, m.num_repeat_tokens - m.num_cached_tokens) for m in run.requests) / prompt
+        if prompt else None,
+        prefix_caching=_prefix_caching(run.config),
     )
+
+
+def _prefix_caching(config: dict[str, Any]) -> bool | None:
+    from phaselab.obs.rundir import RunDirError, engine_config
+
+    try:
+        cache = engine_config(config, "prefill").get("cache") or {}
+    except RunDirError:
+        return None
+    value = cache.get("enable_prefix_caching")
+    return None if value is None else bool(value)
 
 
 @dataclass

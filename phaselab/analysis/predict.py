@@ -23,8 +23,9 @@ a change that trades long prefills for short chunks was predicted to cost nothin
 (2) iterations above max_native_rows pay one widening of the weights whatever their number of
 chunks (sim/calibrate.py's o_wide), which a per-chunk overhead priced twice when a change batches
 several prompts in one iteration. A change is `Change(knobs)` in the simulator's RoleConfig
-names plus the serve flags a user would type. Only one-engine runs are predicted (the replay's
-scope); others get no prediction, and say so.
+names plus the serve flags a user would type, or a whole Deployment field: a disaggregated run
+(its pools, its link as its transfers measured it: sim/replay.py measured_link) is predicted
+against `--mode colocated`, one engine with the run's engine args.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Change:
     knobs: dict[str, Any]  # RoleConfig fields: max_num_seqs, policy, max_num_batched_tokens, num_blocks
     flags: str  # what to pass to `phaselab serve` / `compare`
     engine_args: dict[str, Any] = field(default_factory=dict)  # EngineArgs for --verify
+    deployment: dict[str, Any] = field(default_factory=dict)  # Deployment fields: {"mode": "colocated"}
 
 
 @dataclass
@@ -160,6 +162,12 @@ class Predictor:
         self.caveats = fit.spread
         self.deployment = dataclasses.replace(self.deployment, hardware=hw, params=fit.params)
         self.measured = figures(data.requests)
+        args = data.config.get("engine_args") or {}
+        one = f"{args['num_threads']} threads" if args.get("num_threads") else "all the machine's cores"
+        self.threads_caveat = (
+            f"the run's workers computed on {args.get('prefill_threads')} (prefill) and {args.get('decode_threads')} "
+            f"(decode) threads; one engine is priced at their speed, though it computes on {one}: its "
+            "compute may be faster than predicted")
         self._before = self._simulate({})
         # what the run cannot separate, read each way it allows (each coefficient of a pair pinned at 0
         # in turn: all per step, all per sequence): a change that depends on the split is predicted
@@ -173,13 +181,16 @@ class Predictor:
                 d = dataclasses.replace(self.deployment, params=alt.params)
                 self._readings.append((d, self._simulate({}, d)))
 
-    def _simulate(self, knobs: dict[str, Any], deployment: Any = None) -> dict[str, float | None]:
+    def _simulate(self, knobs: dict[str, Any], deployment: Any = None,
+                  whole: dict[str, Any] | None = None) -> dict[str, float | None]:
         from phaselab.sim.loop import Simulator
         from phaselab.workload.arrivals import ArrivalPlan
 
         d = deployment or self.deployment
         if knobs:
             d = dataclasses.replace(d, colocated=dataclasses.replace(d.colocated, **knobs))
+        if whole:
+            d = dataclasses.replace(d, **whole)
         sim = Simulator(d, self.requests, ArrivalPlan(self_timed=True), record_iterations=False,
                         workload_info={"kind": "diagnose prediction"})
         return figures(sim.run().requests)
@@ -187,11 +198,14 @@ class Predictor:
     def predict(self, change: Change) -> Prediction:
         readings = []
         for d, before in self._readings:
-            after = self._simulate(change.knobs, d)
+            after = self._simulate(change.knobs, d, change.deployment)
             readings.append({n: (a - b) / b if (b := before.get(n)) and (a := after.get(n)) is not None else None
                              for n in FIGURES})
-        return Prediction(change, self.measured, self._before, self._simulate(change.knobs), self.cost_model_error,
-                          self.caveats, readings)
+        caveats = list(self.caveats)
+        if self.deployment.mode == "disagg" and change.deployment.get("mode") == "colocated":
+            caveats.append(self.threads_caveat)
+        return Prediction(change, self.measured, self._before, self._simulate(change.knobs, None, change.deployment),
+                          self.cost_model_error, caveats, readings)
 
 
 def make_predictor(path: str | PathLike[str] | None) -> tuple[Predictor | None, str | None]:

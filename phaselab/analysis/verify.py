@@ -19,7 +19,10 @@ changes' effect; only reruns side by side measure the change rather than the mac
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +90,35 @@ def workload(data: Any, seed: int = 0) -> tuple[list[Any], list[str]]:
     return arrivals, notes
 
 
+@contextlib.contextmanager
+def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> Iterator[None]:
+    """Build the rerun's engine on the linear path the run recorded (config.json's `linear`: path and
+    batched GEMM), forced by their environment variables, unless the change is about the weights or
+    dtype. Left to `--weights auto`, the rerun would measure again and may choose another path: a
+    run made on a dense checkpoint (the bf16 kernel) was rerun on the Q4_1 kernel, whose per-row cost
+    made a batch of 4 cost 32 ms a step where the run's path took 26 ms, and the prediction, made for
+    the run's path, was judged against another engine."""
+    from phaselab.model.linear import ENV_VAR
+    from phaselab.model.linear_probe import BATCHED_ENV
+
+    lin = config.get("linear") or {}
+    pinned = {ENV_VAR: lin.get("path"), BATCHED_ENV: lin.get("batched")}
+    if "weights" in overrides or "dtype" in overrides or not isinstance(lin, dict):
+        pinned = {}
+    saved = {k: os.environ.get(k) for k in pinned}
+    try:
+        for k, v in pinned.items():
+            if v:
+                os.environ[k] = str(v)
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any], what: str) -> dict[str, float | None]:
     from phaselab.config import EngineArgs
     from phaselab.engine.engine import LLMEngine
@@ -95,7 +127,8 @@ def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any],
     args = {k: v for k, v in (config.get("engine_args") or {}).items() if k in EngineArgs.__dataclass_fields__}
     if args.get("mode", "colocated") != "colocated":
         raise ValueError("--verify reruns one-engine runs only; rerun a disaggregated deployment with compare")
-    engine = LLMEngine(EngineArgs(**{**args, **overrides}))
+    with _recorded_linear_path(config, overrides):
+        engine = LLMEngine(EngineArgs(**{**args, **overrides}))
 
     def progress(done: int, total: int) -> None:
         print(f"\r  {what}: {done}/{total} requests", end="", file=sys.stderr, flush=True)
@@ -103,6 +136,76 @@ def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any],
     run_arrivals(engine, arrivals, on_progress=progress)
     print(file=sys.stderr)
     return figures(list(engine.finished_requests))
+
+
+def client_figures(results: list[Any]) -> dict[str, float | None]:
+    """The user-facing figures (analysis/predict.py FIGURES) of a client's view of a run
+    (bench/metrics.py RequestResult, ok requests): TTFT and E2E from the POST, ITL between content
+    chunks, output tokens over first POST -> last stream end."""
+    from phaselab.analysis.stats import percentile
+
+    ok = [r for r in results if r.ok and r.ttft_s is not None]
+    ttft = [r.ttft_s for r in ok]
+    itl = [g for r in ok for g in r.itl_s]
+    e2e = [r.e2e_s for r in ok if r.e2e_s is not None]
+    t0 = min((r.sent_ns for r in ok if r.sent_ns is not None), default=0)
+    t1 = max((r.sent_ns + round(r.e2e_s * 1e9) for r in ok if r.sent_ns is not None and r.e2e_s is not None),
+             default=0)
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "e2e_mean_s": sum(e2e) / len(e2e) if e2e else None,
+            "output_tokens_per_s": sum(r.num_output_tokens for r in ok) / ((t1 - t0) / 1e9) if t1 > t0 else None}
+
+
+async def _drive_http(url: str, arrivals: list[Any], what: str) -> list[Any]:
+    """Send the arrivals to a server as a client would: each at its offset, or when every request
+    it waits for has ended (a closed loop); prompts as token ids, ignore_eos, greedy."""
+    import asyncio
+    import time
+
+    from phaselab.bench.client import ClientConfig, StreamingClient, first_model, new_record
+    from phaselab.bench.metrics import derive
+    from phaselab.workload.driver import ended_set
+    from phaselab.workload.request import RequestSpec
+
+    cfg = ClientConfig(base_url=url, model=await first_model(url), endpoint="completions", ignore_eos=True)
+    ended = {a.request_id: asyncio.Event() for a in arrivals}
+    records: list[Any] = []
+    done = 0
+    async with StreamingClient(cfg) as client:
+        t0 = time.monotonic_ns()
+
+        async def one(a: Any) -> None:
+            nonlocal done
+            for dep in ended_set(a.after_finished):
+                if dep in ended:
+                    await ended[dep].wait()
+            if a.at_s is not None:
+                await asyncio.sleep(max(0.0, t0 / 1e9 + a.at_s - time.monotonic_ns() / 1e9))
+            spec = RequestSpec(a.request_id, "", a.max_tokens, len(a.prompt), prompt_token_ids=a.prompt)
+            rec = new_record(spec, time.monotonic_ns())
+            records.append(rec)
+            try:
+                await client.send(spec, rec)
+            finally:
+                ended[a.request_id].set()
+                done += 1
+                print(f"\r  {what}: {done}/{len(arrivals)} requests", end="", file=sys.stderr, flush=True)
+
+        await asyncio.gather(*(one(a) for a in arrivals))
+    print(file=sys.stderr)
+    results = [derive(r, t0) for r in records]
+    failed = [r for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{url}: {len(failed)} of {len(results)} requests of the rerun failed (first: "
+                           f"{failed[0].status}: {failed[0].error}); check that server, then verify again")
+    return results
+
+
+def _run_http(url: str, arrivals: list[Any], what: str) -> dict[str, float | None]:
+    import asyncio
+
+    return client_figures(asyncio.run(_drive_http(url, arrivals, what)))
 
 
 def _mean(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
@@ -113,17 +216,35 @@ def _mean(runs: list[dict[str, float | None]]) -> dict[str, float | None]:
     return out
 
 
-def verify(path: str, prediction: Prediction, rounds: int = 2) -> Verification:
+def verify(path: str, prediction: Prediction, rounds: int = 2, before_url: str | None = None,
+           after_url: str | None = None) -> Verification:
     """Rerun the recorded workload as recorded and with the change, `rounds` times each, in the order
-    before, after, after, before, ... (module docstring)."""
+    before, after, after, before, ... (module docstring). With `before_url` and `after_url` the
+    reruns go to those servers (the deployment as recorded, and with the change) through the
+    OpenAI API, and each side's figures are its client's view; a disaggregated run is verified only
+    so, since its workers and the link between them cannot be rebuilt in this process."""
     from phaselab.obs.rundir import read_run_dir
 
     data = read_run_dir(path)
+    if (before_url is None) != (after_url is None):
+        raise ValueError("give both --before-url (the deployment as recorded) and --after-url (with "
+                         f"`{prediction.change.flags}`), or neither to rerun in this process")
+    if before_url is None and data.config.get("mode") == "disagg":
+        raise ValueError("a disaggregated run's workers and the link between them cannot be rebuilt in this "
+                         "process: serve it as recorded and with `" + prediction.change.flags + "`, and pass "
+                         "their addresses: --before-url URL --after-url URL")
     arrivals, notes = workload(data)
+    if before_url is not None:
+        notes.append(f"reruns sent to {before_url} (as recorded) and {after_url} (with the change); figures "
+                     "from the client's view (TTFT from the POST)")
     runs: dict[str, list[dict[str, float | None]]] = {"before": [], "after": []}
     for k in range(rounds):
         for side in (("before", "after") if k % 2 == 0 else ("after", "before")):
-            overrides = {} if side == "before" else prediction.change.engine_args
             what = "as recorded" if side == "before" else f"with {prediction.change.flags}"
-            runs[side].append(_run(data.config, overrides, arrivals, f"[{k + 1}/{rounds}] {what}"))
+            what = f"[{k + 1}/{rounds}] {what}"
+            if before_url is not None:
+                runs[side].append(_run_http(before_url if side == "before" else str(after_url), arrivals, what))
+            else:
+                overrides = {} if side == "before" else prediction.change.engine_args
+                runs[side].append(_run(data.config, overrides, arrivals, what))
     return Verification(prediction, _mean(runs["before"]), _mean(runs["after"]), notes, runs)

@@ -181,7 +181,7 @@ class StreamingClient:
         if cfg.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:
-            body["prompt"] = spec.prompt
+            body["prompt"] = spec.prompt if spec.prompt_token_ids is None else spec.prompt_token_ids
         if cfg.include_usage:
             body["stream_options"] = {"include_usage": True}
         if cfg.ignore_eos:

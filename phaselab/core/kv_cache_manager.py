@@ -22,14 +22,24 @@ Prefix caching, region by region, for one request:
   from.
 - Generated tokens are cached too: a preempted request that resumes, or a multi-turn follow-up,
   hits the blocks it wrote itself.
+
+Repeats are counted whether caching is on or off (`count_repeats`, once per request at its first
+admission): the leading full blocks of its prompt that began an earlier request as well (its prompt
+at admission, or its whole sequence when it finished), remembered by hash for the last SEEN_CAP
+blocks. With caching off they are what a prefix cache would have skipped; with it on, repeats
+beyond the hits were evicted, or computed twice by requests admitted together.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from phaselab.core.block_pool import ROOT_PARENT_HASH, BlockHash, BlockPool, hash_block_tokens
 from phaselab.core.request import Request
+
+
+SEEN_CAP = 1 << 16  # block hashes remembered for count_repeats (1M tokens at 16 per block)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -63,6 +73,8 @@ class KVCacheManager:
         # How many leading blocks of the table are registered (or were hits) already.
         self._num_registered_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # full blocks earlier requests began with, by hash (LRU, SEEN_CAP): count_repeats
+        self._seen: OrderedDict[BlockHash, None] = OrderedDict()
 
     @property
     def num_blocks(self) -> int:
@@ -93,6 +105,25 @@ class KVCacheManager:
             parent = hashes[-1].value if hashes else ROOT_PARENT_HASH
             hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
         return hashes
+
+    def count_repeats(self, request: Request) -> int:
+        """Tokens of the request's leading full blocks (a hit's span: the last token excluded) that
+        an earlier request began with, and remember its own; call once, at its first admission."""
+        n = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, n)[:n]
+        k = 0
+        while k < n and hashes[k] in self._seen:
+            k += 1
+        self._remember(hashes)
+        return k * self.block_size
+
+    def _remember(self, hashes: list[BlockHash]) -> None:
+        seen = self._seen
+        for h in hashes:
+            seen[h] = None
+            seen.move_to_end(h)
+        while len(seen) > SEEN_CAP:
+            seen.popitem(last=False)
 
     # -- allocate / cache / free ------------------------------------------------------------
     def allocate_slots(
@@ -166,6 +197,8 @@ class KVCacheManager:
             self.block_pool.free(reversed(table))
         self._num_registered_blocks.pop(rid, None)
         if request.is_finished:
+            if rid in self._req_to_block_hashes:  # admitted: its whole sequence begins later ones too
+                self._remember(self._block_hashes(request, request.num_tokens // self.block_size))
             self._req_to_block_hashes.pop(rid, None)
 
     # -- invariants -------------------------------------------------------------------------

@@ -41,6 +41,9 @@ class HasCachedTokens(Protocol):
     @property
     def num_cached_tokens(self) -> int: ...
 
+    @property
+    def num_repeat_tokens(self) -> int: ...
+
 
 @dataclass
 class _Open:
@@ -115,8 +118,10 @@ class PhaseRecorder:
         iteration_id = plan.iteration_id
         for s in plan.scheduled:
             if (entry := tracked.get(s.request_id)) is not None:
-                cached = entry.request.num_cached_tokens if entry.request is not None else 0
-                entry.metrics.stamp_scheduled(iteration_id, start_ns, end_ns, len(s.token_ids), s.is_prefill, cached)
+                req = entry.request
+                cached, repeat = (req.num_cached_tokens, req.num_repeat_tokens) if req is not None else (0, 0)
+                entry.metrics.stamp_scheduled(iteration_id, start_ns, end_ns, len(s.token_ids), s.is_prefill, cached,
+                                              repeat)
         firsts = []
         for d in deltas:
             n = len(d.new_token_ids)

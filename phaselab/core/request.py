@@ -66,6 +66,9 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 = not admitted yet
+        # prompt tokens at first admission in full blocks that started an earlier request too, cache on or
+        # off (KVCacheManager.count_repeats): what a prefix cache with room for them could skip
+        self.num_repeat_tokens = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_preemptions = 0

@@ -329,6 +329,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:  # first admission
                 request.num_cached_tokens = num_hit_tokens
+                request.num_repeat_tokens = self.kv_cache_manager.count_repeats(request)
             self.running.append(request)
             # Before the step nothing is computed: an admission is a prefill (also a resume).
             self._add_scheduled(plan, request, num_new, new_block_ids, is_prefill=True)

@@ -53,6 +53,9 @@ class RequestMetrics:
     request_id: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # prompt tokens whose full blocks began an earlier request too (cache on or off): what a prefix
+    # cache could skip (core/kv_cache_manager.py count_repeats)
+    num_repeat_tokens: int = 0
     num_output_tokens: int = 0
     num_preemptions: int = 0
     worker: str = ""  # the worker that prefilled it (disaggregated: also decode_worker)
@@ -65,7 +68,7 @@ class RequestMetrics:
         self.num_preemptions += 1
 
     def stamp_scheduled(self, iteration_id: int, start_ns: int, end_ns: int, num_tokens: int,
-                        is_prefill: bool, num_cached_tokens: int) -> None:
+                        is_prefill: bool, num_cached_tokens: int, num_repeat_tokens: int = 0) -> None:
         """One iteration scheduled `num_tokens` of this request between start_ns and end_ns.
 
         The first one ends the queue; the first after a preemption is the resume; a prefill
@@ -73,6 +76,7 @@ class RequestMetrics:
         if self.first_scheduled_ns is None:
             self.first_scheduled_ns = start_ns
             self.num_cached_tokens = max(num_cached_tokens, 0)
+            self.num_repeat_tokens = num_repeat_tokens
         if len(self.resumed_ns) < len(self.preempted_ns):
             self.resumed_ns.append(start_ns)
         if is_prefill:

@@ -31,6 +31,7 @@ def merge_worker_tokens(m: RequestMetrics, worker: str, role: str, offset_ns: in
                 m.prefill_chunks = rec.prefill_chunks
                 m.recompute_chunks += rec.recompute_chunks
                 m.num_cached_tokens = rec.num_cached_tokens
+                m.num_repeat_tokens = rec.num_repeat_tokens
             else:  # a re-prefill after the KV was lost: recomputation
                 m.recompute_chunks += rec.prefill_chunks + rec.recompute_chunks
             _merge_preemptions(m, rec)

@@ -158,6 +158,20 @@ def run_config(config: dict[str, Any]) -> dict[str, Any]:
     return {"format": RUN_FORMAT, "version": RUN_VERSION, **config, "created": created}
 
 
+def engine_config(config: dict[str, Any], role: str | None = None) -> dict[str, Any]:
+    """The engine part of a run's config.json (model, dtype, linear, scheduler, cache, machine): the
+    config itself for one engine; for a disaggregated run (the router's config), the recorded
+    config of its first worker of `role` (any role when None: every worker runs one model and
+    dtype). Raises RunDirError when a disaggregated run recorded no worker of that role."""
+    if config.get("mode") != "disagg":
+        return config
+    for name, w in sorted((config.get("workers") or {}).items()):
+        if (role is None or w.get("role") == role) and w.get("engine"):
+            return dict(w["engine"])
+    raise RunDirError(f"this disaggregated run recorded no {role or ''} worker's engine config (config.json's "
+                      "'workers'); record it again with a phaselab that writes them")
+
+
 def read_run_dir(path: str | PathLike[str]) -> RunData:
     root = Path(path)
     config = _read_config(root)

@@ -40,7 +40,7 @@ import numpy as np
 
 from phaselab.core.timing import IterationRecord
 from phaselab.obs.cost import CostFormulas, keys_attended
-from phaselab.obs.rundir import read_run_dir
+from phaselab.obs.rundir import engine_config, read_run_dir
 from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.cost import CostParams, default_params
 from phaselab.sim.host import host_mismatch, run_hardware
@@ -116,12 +116,21 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
 
 
 def iteration_cycles(iterations: list[IterationRecord]) -> list[int]:
-    """Measured ns per iteration as the simulator's clock advances (module docstring)."""
+    """Measured ns per iteration as the simulator's clock advances (module docstring), in the order
+    of `iterations` sorted by start; each worker's cycle runs to its own next iteration (a
+    disaggregated run interleaves its workers' iterations)."""
     iters = sorted(iterations, key=lambda r: r.start_ns)
+    following: dict[int, IterationRecord] = {}
+    last: dict[str, int] = {}
+    for k, rec in enumerate(iters):
+        if rec.worker in last:
+            following[last[rec.worker]] = rec
+        last[rec.worker] = k
     cycles = []
     for k, rec in enumerate(iters):
-        if rec.num_running + rec.num_waiting > 0 and k + 1 < len(iters) and iters[k + 1].worker == rec.worker:
-            cycles.append(iters[k + 1].start_ns - rec.start_ns)
+        nxt = following.get(k)
+        if rec.num_running + rec.num_waiting > 0 and nxt is not None:
+            cycles.append(nxt.start_ns - rec.start_ns)
         else:
             cycles.append(rec.end_ns - rec.start_ns)
     return cycles
@@ -431,13 +440,14 @@ def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: s
     paths = list(path) if isinstance(path, (list, tuple)) else [path]
     runs = [read_run_dir(p) for p in paths]
     data = runs[0]
+    config = engine_config(data.config)  # a disaggregated run: its workers' (one model, one dtype)
     for p, run in zip(paths, runs):
         if run.config.get("simulated"):
             raise ValueError(f"{p} is a simulated run; calibrate on a real one")
-        if run_model(run.config) != run_model(data.config):
+        if run_model(engine_config(run.config)) != run_model(config):
             raise ValueError(f"{p} ran another model or dtype than {paths[0]}; calibrate runs of one engine together")
-    model, dtype_bytes = run_model(data.config)
-    hw = run_hardware(data.config) if hardware is None else \
+    model, dtype_bytes = run_model(config)
+    hw = run_hardware(config) if hardware is None else \
         hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
     iters: list[IterationRecord] = []
     cycles: list[int] = []
@@ -448,8 +458,8 @@ def calibrate(path: str | PathLike[str] | list[str | PathLike[str]], hardware: s
     if not iters:
         raise ValueError(f"{', '.join(map(str, paths))} has no iterations to fit")
     fit = fit_params(iters, cycles, model, hw, dtype_bytes, " + ".join(map(str, paths)), weighting=weighting,
-                     wide_rows=run_wide_rows(data.config), fixed=fixed)
-    fit.notes = host_mismatch(data.config, hw)
+                     wide_rows=run_wide_rows(config), fixed=fixed)
+    fit.notes = host_mismatch(config, hw)
     for note in fit.notes:
         warnings.warn(note, stacklevel=2)
     return fit, hw

@@ -71,7 +71,8 @@ class Deployment:
     activation_reserve_bytes: int = 2 * GiB  # per GPU: activations, CUDA graphs, workspace
     tp_link: str | None = field(default=None, metadata={
         "help": f"tensor-parallel link: {', '.join(LINKS)}, or a link JSON file (None: the hardware's)"})
-    transfer_link: str | None = field(default=None, metadata={
+    # a LinkSpec: one measured on a real run (replay_inputs of a disaggregated run dir)
+    transfer_link: str | LinkSpec | None = field(default=None, metadata={
         "help": "disagg KV transfer link, a name or a link JSON file (None: the TP link)"})
     transfer_mode: str = field(default="after-prefill", metadata={"choices": TRANSFER_MODES, "help": "disagg KV transfer"})
     # who sends the first token: the prefill side as soon as it is sampled (phaselab's router), or
@@ -124,6 +125,8 @@ class Deployment:
         device fit measured it (NVLink 3/4 from Vidur's send_recv tables), else its datasheet figures."""
         from phaselab.sim.fit import effective_link
 
+        if isinstance(self.transfer_link, LinkSpec):  # measured: used as it is
+            return self.transfer_link
         return effective_link(get_link(self.transfer_link or self.tp_link or self.hardware.tp_link))
 
     def num_blocks(self, rc: RoleConfig) -> int:

@@ -25,13 +25,14 @@ from dataclasses import dataclass, field
 from os import PathLike
 from typing import Any
 
-from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.core.config import SchedulerConfig
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import IterationRecord
 from phaselab.errors import PhaselabError
 from phaselab.obs.cost import StoredWeights, plan_counts
-from phaselab.obs.rundir import RunData, read_run_dir
-from phaselab.sim.calibrate import run_model
+from phaselab.obs.rundir import RunData, engine_config, read_run_dir
+from phaselab.sim.calibrate import iteration_cycles, run_model
+from phaselab.sim.catalog import LinkSpec
 from phaselab.sim.host import run_hardware
 from phaselab.sim.cost import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
@@ -114,35 +115,19 @@ def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, lis
     reruns it (workload/rerun.py): a closed-loop request is released by its predecessor's end, and
     prompts that hit the prefix cache share one prefix group."""
     assert at in ("iteration", "arrival"), at
-    workers = {rec.worker for rec in data.iterations}
-    if len(workers) != 1:
-        raise ReplayError(f"replay needs a run of one worker; this one has {sorted(workers) or 'none'}")
     cfg = data.config
+    disagg = cfg.get("mode") == "disagg"
+    workers = {rec.worker for rec in data.iterations}
+    if not disagg and len(workers) != 1:
+        raise ReplayError(f"replay needs a run of one worker; this one has {sorted(workers) or 'none'}")
     if cfg.get("simulated"):
         raise ReplayError("this run directory is itself simulated; replay a real run")
+    if disagg and at != "arrival":
+        raise ReplayError("a disaggregated run is simulated at its arrivals (a prediction), not replayed "
+                          "iteration by iteration: its workers' plans interleave")
     iters = sorted(data.iterations, key=lambda r: r.start_ns)
-    sched = SchedulerConfig(**cfg["scheduler"])
-    cache = cfg["cache"]
-    cache_cfg = CacheConfig(cache["block_size"], cache["num_blocks"], cache["enable_prefix_caching"])
-    model, dtype_bytes = run_model(cfg)
-    rc = RoleConfig(tp=1, policy=sched.policy, max_num_batched_tokens=sched.max_num_batched_tokens,
-                    max_num_seqs=sched.max_num_seqs, long_prefill_token_threshold=sched.long_prefill_token_threshold,
-                    max_num_partial_prefills=sched.max_num_partial_prefills, num_blocks=cache_cfg.num_blocks,
-                    # an adaptive run replays with the same policy; its budgets follow the replay's own
-                    # online fit (warm-up shapes priced by the replay), so its plans may part from the real ones
-                    slo_tbt_ms=sched.slo_tbt_ms, slo_ttft_ms=sched.slo_ttft_ms, slo_margin=sched.slo_margin,
-                    slo_min_chunk=sched.slo_min_chunk)
-    deployment = Deployment(model, run_hardware(cfg), colocated=rc, dtype_bytes=dtype_bytes,
-                            stored_weights=StoredWeights.from_linear(cfg.get("linear")),
-                            block_size=cache_cfg.block_size, enable_prefix_caching=cache_cfg.enable_prefix_caching,
-                            max_model_len=sched.max_model_len)
-    cycles = []
-    for k, rec in enumerate(iters):
-        still_busy = rec.num_running + rec.num_waiting > 0
-        if still_busy and k + 1 < len(iters):
-            cycles.append(iters[k + 1].start_ns - rec.start_ns)
-        else:
-            cycles.append(rec.end_ns - rec.start_ns)
+    deployment = _disagg_deployment(data) if disagg else _deployment(cfg)
+    cycles = iteration_cycles(iters)
     starts = [rec.start_ns for rec in iters]
     t0 = starts[0] if starts else 0
     notes = []
@@ -176,6 +161,65 @@ def replay_inputs(data: RunData, at: str = "iteration") -> tuple[Deployment, lis
                                    prefix_len=r.shared_prefix if r is not None else 0,
                                    after_finished=r.after_finished if r is not None else None))
     return deployment, requests, cycles, notes
+
+
+def _role_config(cfg: dict[str, Any]) -> RoleConfig:
+    """The simulator's pool config of one engine's recorded scheduler and cache."""
+    sched = SchedulerConfig(**cfg["scheduler"])
+    return RoleConfig(tp=1, policy=sched.policy, max_num_batched_tokens=sched.max_num_batched_tokens,
+                      max_num_seqs=sched.max_num_seqs, long_prefill_token_threshold=sched.long_prefill_token_threshold,
+                      max_num_partial_prefills=sched.max_num_partial_prefills, num_blocks=cfg["cache"]["num_blocks"],
+                      # an adaptive run replays with the same policy; its budgets follow the replay's own
+                      # online fit (warm-up shapes priced by the replay), so its plans may part from the real ones
+                      slo_tbt_ms=sched.slo_tbt_ms, slo_ttft_ms=sched.slo_ttft_ms, slo_margin=sched.slo_margin,
+                      slo_min_chunk=sched.slo_min_chunk)
+
+
+def _deployment(cfg: dict[str, Any], **kw: Any) -> Deployment:
+    """One engine as its config.json records it (kw: the Deployment fields of a disaggregated one)."""
+    model, dtype_bytes = run_model(cfg)
+    cache = cfg["cache"]
+    return Deployment(model, run_hardware(cfg), colocated=_role_config(cfg), dtype_bytes=dtype_bytes,
+                      stored_weights=StoredWeights.from_linear(cfg.get("linear")),
+                      block_size=cache["block_size"], enable_prefix_caching=cache["enable_prefix_caching"],
+                      max_model_len=cfg["scheduler"]["max_model_len"], **kw)
+
+
+def measured_link(data: RunData) -> LinkSpec:
+    """A disaggregated run's KV link as its transfers measured it: bandwidth = KV bytes / wire time
+    (fetch start -> end, summed over the transfers), latency = the median of what each transfer's
+    span from the first token's sampling to the decode worker's admission held beyond its bytes at
+    that bandwidth (transport queue, Ray's fetch set-up, the router's hops, admission), so that a
+    simulated transfer of the same bytes takes the span the run measured."""
+    moved = [m for m in data.requests if m.kv_transfer_bytes and m.kv_transfer_start_ns is not None
+             and m.kv_transfer_end_ns is not None and m.kv_transfer_end_ns > m.kv_transfer_start_ns]
+    if not moved:
+        raise ReplayError("this disaggregated run recorded no completed KV transfer; its link cannot be measured")
+    nbytes = sum(m.kv_transfer_bytes for m in moved)
+    wire_s = sum(m.kv_transfer_end_ns - m.kv_transfer_start_ns for m in moved) / 1e9
+    bw = nbytes / wire_s
+    extra = sorted(max(0.0, (m.decode_admitted_ns - m.first_token_sampled_ns) / 1e9 - m.kv_transfer_bytes / bw)
+                   for m in moved if m.decode_admitted_ns is not None and m.first_token_sampled_ns is not None)
+    latency = extra[len(extra) // 2] if extra else 0.0
+    return LinkSpec("measured", bw, latency, per_gpu=False,
+                    description=f"the run's KV link: {bw / 1e6:.2f} MB/s over {len(moved)} transfers, "
+                                f"{latency * 1e3:.0f} ms besides the wire per transfer",
+                    sources={"bandwidth": "KV bytes / wire time of the run's transfers",
+                             "latency_s": "median transfer span (first token sampled -> decode admitted) beyond "
+                                          "the bytes at that bandwidth"})
+
+
+def _disagg_deployment(data: RunData) -> Deployment:
+    """A disaggregated run as the simulator's disagg deployment: its pools' recorded schedulers, the
+    measured link (measured_link), the prefill worker streaming the first token (phaselab's router);
+    `colocated` is the one engine the run's engine args make (a prediction's `--mode colocated`)."""
+    cfg = data.config
+    roles = [w.get("role") for w in (cfg.get("workers") or {}).values()]
+    p_cfg, d_cfg = engine_config(cfg, "prefill"), engine_config(cfg, "decode")
+    return _deployment(p_cfg, mode="disagg", num_prefill=max(1, roles.count("prefill")),
+                       num_decode=max(1, roles.count("decode")), prefill=_role_config(p_cfg),
+                       decode=_role_config(d_cfg), transfer_link=measured_link(data), first_token_from="prefill",
+                       routing_policy=(cfg.get("engine_args") or {}).get("routing_policy") or "least-outstanding")
 
 
 def _natural(text: str) -> list[tuple[int, int | str]]:

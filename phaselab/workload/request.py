@@ -16,3 +16,4 @@ class RequestSpec:
     group: str = "default"  # workload role: "stream"/"long" (interference), "group-3" (shared-prefix)
     arrival_s: float | None = None  # self-timed workloads (trace, interference): offset from start
     warmup: bool = False
+    prompt_token_ids: list[int] | None = None  # completions: sent as the prompt instead of the text

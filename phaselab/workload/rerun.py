@@ -19,11 +19,14 @@ arrival. Where several requests ended in
 the same step, which of them released the request is not recorded: it waits for all of them
 (under a changed configuration they may end apart; it is then released by the last).
 
-Prompt token ids are not recorded either. Where the run hit the prefix cache, the rerun's prompts
-share one prefix, each request as many tokens of it as it hit at its first admission, and the
-request that filled the cache (the latest earlier one long enough, itself without a hit) carries
-it whole: one shared root, a system prompt's shape; nested or several distinct prefixes are
-approximated by it.
+Prompt token ids are not recorded either. Where the run's prompts repeated an earlier request's
+beginning (`num_repeat_tokens`, counted by the scheduler whether the prefix cache was on or off;
+at least the cache hits), the rerun's prompts share one prefix, each request as many tokens of it
+as it repeated at its first admission, and the request that began with it first (the latest
+earlier one long enough, itself without a repeat) carries it whole: one shared root, a system
+prompt's shape; nested or several distinct prefixes are approximated by it. So a run made with the
+cache off reruns with the cache on (a suggested change) against prompts that share what the
+recorded ones shared.
 """
 
 from __future__ import annotations
@@ -59,18 +62,22 @@ def recorded_workload(requests: Sequence[Any], gap_s: float = CLOSED_LOOP_GAP_S)
     ok = sorted((m for m in requests if m.finish_reason not in ("abort", "error")), key=lambda m: m.arrived_ns)
     notes: list[str] = []
     t0 = ok[0].arrived_ns if ok else 0
-    cached = [m.num_cached_tokens for m in ok]
-    longest = max(cached, default=0)
+    # a prompt's shared beginning: what it repeated of an earlier request (counted cache on or off), or
+    # at least what it hit (a run recorded before repeats were)
+    cached = [max(m.num_cached_tokens, getattr(m, "num_repeat_tokens", 0)) for m in ok]
+    longest, repeated = max(cached, default=0), sum(cached)
     if longest:
         first = next(k for k, c in enumerate(cached) if c)
         source = next((k for k in range(first - 1, -1, -1)
                        if not cached[k] and ok[k].num_prompt_tokens > cached[first]), None)
         if source is not None:
             cached[source] = min(longest, ok[source].num_prompt_tokens - 1)
-        notes.append(f"the run hit the prefix cache ({sum(m.num_cached_tokens for m in ok)} tokens); the rerun's "
-                     f"prompts share one random {longest}-token prefix, as many tokens of it as each request hit"
-                     + ("" if source is not None else " (no earlier request long enough to have filled the cache: "
-                        "the first hit is a miss in the rerun)"))
+        hits = sum(m.num_cached_tokens for m in ok)
+        notes.append(f"the run's prompts repeated an earlier request's beginning ({repeated} tokens, {hits} of them "
+                     f"prefix-cache hits); the rerun's prompts share one random {longest}-token prefix, as many "
+                     "tokens of it as each request repeated"
+                     + ("" if source is not None else " (no earlier request long enough to have begun with it: "
+                        "the first repeat is new in the rerun)"))
     ends = sorted((e, m.request_id) for m in ok if (e := _end_ns(m)) is not None)
     end_times = [e for e, _ in ends]
     # per request: the index of the latest end at or before its arrival, and how long after it it came
