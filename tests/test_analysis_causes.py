@@ -3,7 +3,7 @@ workloads driven with arrival timing by phaselab.workload.driver.run_arrivals):
 
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
     prefill-bound    long prompts, few requests, one at a time, two output tokens, all beginning with the
-                     same 512 tokens and prefix caching off
+                     same 768 tokens and prefix caching off
     decode/KV-bound  long histories (a 3000-token shared prefix, served by the prefix cache), batch 32;
                      truth: the same batch at short histories
     KV capacity      a 4 MiB cache for 10 growing requests; truth: the scheduler's preemption count
@@ -85,13 +85,15 @@ def test_queue_bound(checkpoint, tmp_path):
     assert d.queue.arrival_rate > d.queue.service_rate
 
 
-PREFIX = 512
-PREFILL_LENGTHS = (528, 704, 880, 1056, 1232)
+PREFIX = 768
+PREFILL_LENGTHS = tuple(784 + 56 * k for k in range(9))  # 784 .. 1232 tokens
 
 
 def prefill_arrivals() -> list[Arrival]:
     """The prefill-bound workload: lone prompts one after another (each sent when the last one
-    ended), every one beginning with the same 512 tokens (a system prompt's shape)."""
+    ended), every one beginning with the same 768 tokens (a system prompt's shape). Nine of them, so
+    that TTFT p50 is not one request's (verify compares it across reruns); with the cache on, the
+    median request computes 296 tokens after the 768 cached, and the first (cold) is the slowest."""
     rng = np.random.default_rng(1)
     prefix = random_prompt(rng, PREFIX)
     arrivals: list[Arrival] = []
@@ -104,7 +106,7 @@ def prefill_arrivals() -> list[Arrival]:
 def test_prefill_bound(checkpoint, tmp_path):
     """Prefill-bound with prefix caching off: the top cause is prefill, its share of TTFT is the
     records' prefill compute over their TTFT, and the repeated beginnings (known by construction:
-    every prompt after the first repeats the 512 shared tokens) are found and prefix caching is
+    every prompt after the first repeats the 768 shared tokens) are found and prefix caching is
     the change (its rerun: tests/test_analysis_verify.py)."""
     d, _ = _run(_engine(checkpoint, enable_prefix_caching=False), prefill_arrivals(), tmp_path / "prefill")
     assert d.top is not None and d.top.cause == "prefill", d.account.shares

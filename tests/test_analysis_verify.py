@@ -2,7 +2,7 @@
 (the bundled model, bf16, the workloads of tests/test_analysis_causes.py):
 
     queue        max_num_seqs=2, a burst of 12 requests of 24-72 prompt tokens -> more --max-num-seqs (TTFT p99)
-    prefill      lone prompts sharing a 512-token beginning, prefix caching off -> --enable-prefix-caching
+    prefill      lone prompts sharing a 768-token beginning, prefix caching off -> --enable-prefix-caching
                  (TTFT p50)
     stall        prefill-first, 1024-token prompts among streams of 32 or 48 tokens -> --policy chunked (ITL p99)
     kv-capacity  a 4 MiB cache for 10 growing requests         -> more --kv-cache-memory (TTFT p50)
@@ -81,7 +81,7 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
         arrivals += [Arrival(f"long-{k}", random_prompt(rng, 1024), 2, "long",
                              after_group_tokens=("stream", 6 + 10 * k)) for k in range(2)]
         return arrivals, {"policy": "prefill-first"}, "--policy chunked"
-    if name == "prefill":  # test_analysis_causes.py's: lone prompts sharing a 512-token beginning, cache off
+    if name == "prefill":  # test_analysis_causes.py's: lone prompts sharing a 768-token beginning, cache off
         return prefill_arrivals(), {"enable_prefix_caching": False}, "--enable-prefix-caching"
     if name == "decode-kv":
         rng = np.random.default_rng(2)
