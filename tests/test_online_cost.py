@@ -39,6 +39,31 @@ def test_recovers_generating_coefficients_from_noisy_times():
                                                                                     rel=0.05)
 
 
+def test_recovers_the_batched_regime_step_and_predicts_both_sides_of_it():
+    """Times generated with a fixed extra cost above 8 rows (an engine's one-row kernel up to
+    max_native_rows, the batched GEMM above): the fitter given the threshold recovers the step;
+    one without it mispredicts small mixed iterations (decode-only ones at batch <= 8 taught it a
+    lower intercept), which is what the adaptive budget plans."""
+    rng = random.Random(3)
+    truth = IterationCostCoefficients(overhead_s=0.013, prefill_token_s=6e-4, prefill_context_s=5e-7,
+                                      decode_seq_s=1e-3, wide_s=0.02, wide_rows=8)
+    aware, blind = OnlineCostFitter(IterationCostCoefficients(), wide_rows=8), OnlineCostFitter(IterationCostCoefficients())
+    for _ in range(400):
+        decodes = [rng.randint(64, 1024) for _ in range(rng.randint(1, 12))]
+        chunks = [(rng.choice([4, 16, 32, 64, 128]), rng.randint(0, 1024))] if rng.random() < 0.3 else []
+        t = truth.predict(chunks, decodes) * (1 + rng.gauss(0, 0.02))
+        aware.update(iteration_features(chunks, decodes, 8), t)
+        blind.update(iteration_features(chunks, decodes), t)
+    assert aware.coefficients.wide_s == pytest.approx(0.02, rel=0.15) and aware.coefficients.wide_rows == 8
+    mixed = ([(32, 512)], [300] * 4)  # 36 rows: the batched regime
+    small = ([], [300] * 4)  # 4 rows: the one-row kernel
+    for chunks, decodes in (mixed, small):
+        want = truth.predict(chunks, decodes)
+        assert aware.coefficients.predict(chunks, decodes) == pytest.approx(want, rel=0.05)
+    blind_errors = [abs(blind.coefficients.predict(c, d) / truth.predict(c, d) - 1) for c, d in (mixed, small)]
+    assert max(blind_errors) > 0.1, blind_errors
+
+
 def test_follows_a_drift():
     """The machine slows down by half (another process took a core): the fit follows."""
     rng = random.Random(2)

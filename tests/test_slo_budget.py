@@ -24,6 +24,8 @@ coefficients = st.builds(
     prefill_context_s=st.floats(0, 1e-5),
     decode_seq_s=st.floats(0, 5e-3),
     decode_context_s=st.floats(0, 1e-5),
+    wide_s=st.floats(0, 0.05),
+    wide_rows=st.sampled_from([0, 1, 4, 8, 16]),
 )
 
 
@@ -37,6 +39,9 @@ def reference_time(c: IterationCostCoefficients, prefill: list[tuple[int, int]],
             t += c.prefill_token_s + c.prefill_context_s * (start + i + 1)
     for context in decodes:
         t += c.decode_seq_s + c.decode_context_s * context
+    rows = sum(n for n, _ in prefill) + len(decodes)
+    if c.wide_rows and rows > c.wide_rows:  # the batched GEMM's regime, counted row by row
+        t += c.wide_s
     return t
 
 
@@ -115,7 +120,8 @@ def slo_runs(draw: st.DrawFn, small_cache: bool):
     coeffs = IterationCostCoefficients(
         overhead_s=draw(st.floats(0, 0.6)) * t, prefill_token_s=draw(st.floats(0, 4)) * t / budget,
         prefill_context_s=draw(st.floats(0, 1)) * t / (budget * 64), decode_seq_s=draw(st.floats(0, 0.2)) * t,
-        decode_context_s=draw(st.floats(0, 1)) * t / 1000)
+        decode_context_s=draw(st.floats(0, 1)) * t / 1000, wide_s=draw(st.floats(0, 0.5)) * t,
+        wide_rows=draw(st.sampled_from([0, 4, 8])))
     prefixes = [[1, 2, 3, 4] * 6, [5, 6, 7] * 5]
     requests = []
     for _ in range(draw(st.integers(2, 10))):

@@ -39,7 +39,7 @@ from phaselab.errors import ConfigError
 
 # nominal size of each regressor in one busy iteration: its coefficient in scaled units is "seconds
 # per nominal iteration's worth", of the same order for all five
-FEATURE_SCALES = (1.0, 1e3, 1e6, 1e2, 1e5)
+FEATURE_SCALES = (1.0, 1e3, 1e6, 1e2, 1e5, 1.0)
 N = len(COEFFICIENT_NAMES)
 
 
@@ -63,8 +63,10 @@ class OnlineCostFitter:
 
     def __init__(self, seed: IterationCostCoefficients, config: FitterConfig | None = None,
                  lower: IterationCostCoefficients | None = None,
-                 upper: IterationCostCoefficients | None = None) -> None:
+                 upper: IterationCostCoefficients | None = None, wide_rows: int | None = None) -> None:
+        """wide_rows: the engine's max_native_rows (core/slo.py; None: the seed's)."""
         self.config = cfg = config or FitterConfig()
+        self.wide_rows = seed.wide_rows if wide_rows is None else wide_rows
         self._lower = [v * s for v, s in zip((lower or IterationCostCoefficients()).as_tuple(), FEATURE_SCALES)]
         self._upper = [v * s if upper is not None else float("inf")
                        for v, s in zip((upper or IterationCostCoefficients()).as_tuple(), FEATURE_SCALES)]
@@ -88,14 +90,15 @@ class OnlineCostFitter:
     # -- the model as data ------------------------------------------------------------------------
     @property
     def coefficients(self) -> IterationCostCoefficients:
-        return IterationCostCoefficients.from_tuple(t / s for t, s in zip(self.theta, FEATURE_SCALES))
+        return IterationCostCoefficients.from_tuple((t / s for t, s in zip(self.theta, FEATURE_SCALES)), self.wide_rows)
 
     def predict(self, features: Sequence[float]) -> float:
         return sum(t * x / s for t, x, s in zip(self.theta, features, FEATURE_SCALES, strict=True))
 
     # -- learning ----------------------------------------------------------------------------------
     def update(self, features: Sequence[float], measured_s: float) -> None:
-        """One measured iteration: its features (core.slo.plan_features) and its duration."""
+        """One measured iteration: its features (core.slo.plan_features with this fitter's wide_rows)
+        and its duration."""
         if not features[0]:
             return  # an empty iteration carries no information
         if not measured_s >= 0:
@@ -230,14 +233,18 @@ class BudgetLearner:
     def planning_coefficients(self) -> IterationCostCoefficients:
         """The fit scaled by the recent error quantile: what the budget is planned with."""
         f = self.error_factor
-        return IterationCostCoefficients.from_tuple(c * f for c in self.coefficients.as_tuple())
+        return IterationCostCoefficients.from_tuple((c * f for c in self.coefficients.as_tuple()),
+                                                    self.fitter.wide_rows)
+
+    def features(self, plan: SchedulerOutput) -> tuple[float, ...]:
+        return plan_features(plan.scheduled, self.fitter.wide_rows)
 
     def predict(self, plan: SchedulerOutput) -> float:
-        return self.coefficients.predict_features(plan_features(plan.scheduled))
+        return self.coefficients.predict_features(self.features(plan))
 
     def observe(self, plan: SchedulerOutput, measured_s: float) -> float:
         """Learn from one executed plan; returns what the fitted model predicted for it beforehand."""
-        features = plan_features(plan.scheduled)
+        features = self.features(plan)
         predicted = self.coefficients.predict_features(features)
         if predicted > 0 and features[1] and features[3]:  # where the budget binds: prefill beside decodes
             self._ratios.append(measured_s / predicted)
@@ -291,6 +298,8 @@ def warm_up_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len
         ([chunk(64, 0)], []), ([chunk(256, 0)], []), ([chunk(512, 0)], []),
         ([chunk(128, 512)], []), ([chunk(256, 1024)], []),
         ([], decodes(1, 128)), ([], decodes(8, 256)), ([], decodes(32, 512)), ([], decodes(8, 1024)),
+        # small mixes on either side of an engine's max_native_rows (8 here): the wide term's contrast
+        ([chunk(4, 0)], decodes(2, 128)), ([chunk(32, 256)], decodes(4, 256)),
         ([chunk(128, 256)], decodes(8, 256)), ([chunk(256, 0)], decodes(16, 512)),
     ]
     return [shape for shape in shapes if sum(n for n, _ in shape[0]) + len(shape[1]) <= budget]

@@ -233,6 +233,8 @@ class Scheduler:
                 contexts = [r.num_computed_tokens + 1 for r in self.running if not r.is_prefill]
                 self._time_left = decision.limit_s - c.overhead_s - c.decode_seq_s * len(contexts) \
                     - c.decode_context_s * sum(contexts)
+                if c.wide_rows and len(contexts) + decision.prefill_budget > c.wide_rows:
+                    self._time_left -= c.wide_s  # the budget was planned in the batched GEMM's regime
         if self.scheduler_config.policy == "prefill-first":
             self._schedule_waiting(plan, budget, whole_prompts=True)
             if not plan.scheduled:

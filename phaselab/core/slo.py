@@ -9,6 +9,14 @@ predicted duration stays under a time-between-tokens (TBT) target.
                                         the attention re-read of the prefix a chunk pays)
                    + decode_seq      x  decodes
                    + decode_context  x  sum over decodes of their context (s + 1 keys each)
+                   + wide            x  [rows > wide_rows]   (rows = prefill tokens + decodes)
+
+      `wide_rows` is data, not fitted: the engine's max_native_rows. Up to it every linear layer
+      runs the one-row-at-a-time kernel, above it the batched GEMM, whose iteration costs a fixed
+      amount more (the weights widened for it, the GEMM's own set-up) and each row less; without
+      the term the fit splits the difference, and the decode-only iterations (native, batch 4:
+      28 ms) taught it an intercept 10 ms under that of the mixed ones it plans (measured 1.16x
+      the prediction at p50, 1.41x at p90, on the interference workload at a 133 ms target)
 
     choose_prefill_budget(coefficients, decodes in the iteration, pending prefill segments,
                           target, margin, min_chunk, max_num_batched_tokens)
@@ -28,7 +36,7 @@ iteration times to the online fitter whose coefficients come back here as data.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from phaselab.errors import ConfigError
@@ -36,7 +44,8 @@ from phaselab.errors import ConfigError
 if TYPE_CHECKING:  # outputs imports this module (SchedulerOutput carries a BudgetDecision)
     from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 
-COEFFICIENT_NAMES = ("overhead_s", "prefill_token_s", "prefill_context_s", "decode_seq_s", "decode_context_s")
+COEFFICIENT_NAMES = ("overhead_s", "prefill_token_s", "prefill_context_s", "decode_seq_s", "decode_context_s",
+                     "wide_s")
 
 
 def chunk_keys(num_tokens: int, start: int) -> int:
@@ -53,54 +62,59 @@ class IterationCostCoefficients:
     prefill_context_s: float = 0.0  # per (prefill query x key attended): the re-read of the prefix
     decode_seq_s: float = 0.0  # per decode in the iteration
     decode_context_s: float = 0.0  # per key a decode attends (its K/V read)
+    wide_s: float = 0.0  # per iteration of more than wide_rows rows (the batched GEMM's regime)
+    wide_rows: int = 0  # data, not fitted: the engine's max_native_rows (0: one regime)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        if self.wide_rows < 0:
+            raise ConfigError(f"wide_rows={self.wide_rows} must be >= 0")
+        for name in COEFFICIENT_NAMES:
+            value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
-                raise ConfigError(f"cost coefficient {f.name}={value!r} must be finite and >= 0; "
+                raise ConfigError(f"cost coefficient {name}={value!r} must be finite and >= 0; "
                                   "fit it again or give a calibration file with non-negative terms")
 
     def as_tuple(self) -> tuple[float, ...]:
         return tuple(getattr(self, n) for n in COEFFICIENT_NAMES)
 
     @classmethod
-    def from_tuple(cls, values: Iterable[float]) -> IterationCostCoefficients:
-        return cls(*values)
+    def from_tuple(cls, values: Iterable[float], wide_rows: int = 0) -> IterationCostCoefficients:
+        return cls(*values, wide_rows=wide_rows)
 
     def to_json(self) -> dict[str, float]:
-        return {n: getattr(self, n) for n in COEFFICIENT_NAMES}
+        return {**{n: getattr(self, n) for n in COEFFICIENT_NAMES}, "wide_rows": self.wide_rows}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> IterationCostCoefficients:
-        unknown = set(d) - set(COEFFICIENT_NAMES)
+        unknown = set(d) - set(COEFFICIENT_NAMES) - {"wide_rows"}
         if unknown:
             raise ConfigError(f"unknown cost coefficient(s) {sorted(unknown)}; known: {list(COEFFICIENT_NAMES)}")
-        return cls(**{k: float(v) for k, v in d.items()})
+        return cls(**{k: float(v) for k, v in d.items() if k != "wide_rows"}, wide_rows=int(d.get("wide_rows", 0)))
 
     def predict_features(self, features: Sequence[float]) -> float:
         return sum(c * x for c, x in zip(self.as_tuple(), features, strict=True))
 
     def predict(self, prefill_chunks: Iterable[tuple[int, int]], decode_contexts: Iterable[int]) -> float:
         """Seconds for an iteration of prefill chunks (num_tokens, start) and decodes (context keys)."""
-        return self.predict_features(iteration_features(prefill_chunks, decode_contexts))
+        return self.predict_features(iteration_features(prefill_chunks, decode_contexts, self.wide_rows))
 
 
-def iteration_features(prefill_chunks: Iterable[tuple[int, int]], decode_contexts: Iterable[int]
-                       ) -> tuple[float, float, float, float, float]:
-    """The regressors of the cost model: (1, prefill tokens, prefill keys, decodes, decode keys);
-    all zero for an empty iteration (it costs nothing: nothing runs)."""
+def iteration_features(prefill_chunks: Iterable[tuple[int, int]], decode_contexts: Iterable[int],
+                       wide_rows: int = 0) -> tuple[float, ...]:
+    """The regressors of the cost model: (1, prefill tokens, prefill keys, decodes, decode keys,
+    [rows > wide_rows]); all zero for an empty iteration (it costs nothing: nothing runs)."""
     p_tokens = p_keys = 0
     for n, start in prefill_chunks:
         p_tokens += n
         p_keys += chunk_keys(n, start)
     contexts = list(decode_contexts)
     if not p_tokens and not contexts:
-        return (0.0, 0.0, 0.0, 0.0, 0.0)
-    return (1.0, float(p_tokens), float(p_keys), float(len(contexts)), float(sum(contexts)))
+        return (0.0,) * len(COEFFICIENT_NAMES)
+    wide = 1.0 if wide_rows and p_tokens + len(contexts) > wide_rows else 0.0
+    return (1.0, float(p_tokens), float(p_keys), float(len(contexts)), float(sum(contexts)), wide)
 
 
-def plan_features(scheduled: Iterable[ScheduledRequest]) -> tuple[float, float, float, float, float]:
+def plan_features(scheduled: Iterable[ScheduledRequest], wide_rows: int = 0) -> tuple[float, ...]:
     """iteration_features of a SchedulerOutput's entries (core.outputs.ScheduledRequest)."""
     chunks, decodes = [], []
     for s in scheduled:
@@ -108,7 +122,7 @@ def plan_features(scheduled: Iterable[ScheduledRequest]) -> tuple[float, float, 
             chunks.append((len(s.token_ids), s.start_position))
         else:
             decodes.append(s.start_position + len(s.token_ids))
-    return iteration_features(chunks, decodes)
+    return iteration_features(chunks, decodes, wide_rows)
 
 
 @dataclass(frozen=True)
@@ -160,14 +174,19 @@ def choose_prefill_budget(
     room = max(0, max_num_batched_tokens - num_decodes)  # the decodes are served first
     limit = target_s * (1.0 - margin)
     decode_s = coeffs.decode_seq_s * num_decodes + coeffs.decode_context_s * sum(decode_contexts)
-    base = coeffs.overhead_s + decode_s if num_decodes else 0.0
+    wide_rows = coeffs.wide_rows
+
+    def wide(rows: int) -> float:  # the batched GEMM's regime above wide_rows rows
+        return coeffs.wide_s if wide_rows and rows > wide_rows else 0.0
+
+    base = coeffs.overhead_s + decode_s + wide(num_decodes) if num_decodes else 0.0
     pending = sum(max(0, a) for _, a in segments)
 
     def predicted(budget: int) -> float:
         p, placed = prefill_cost(coeffs, segments, budget)
         if placed == 0:
             return base
-        return coeffs.overhead_s + decode_s + p
+        return coeffs.overhead_s + decode_s + p + wide(num_decodes + placed)
 
     if pending == 0:
         return BudgetDecision(room, target_s, limit, base, base <= limit, "no-prefill")

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
-from phaselab.core.slo import IterationCostCoefficients, plan_features
+from phaselab.core.slo import IterationCostCoefficients
 from phaselab.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,10 +41,13 @@ def load_coefficients(path: str) -> IterationCostCoefficients:
 
 def start_learner(engine: LLMEngine) -> BudgetLearner:
     args = engine.args
+    # above max_native_rows rows the linear layers leave the one-row kernel for the batched GEMM
+    wide_rows = engine.linear.max_native_rows if engine.linear.path != "torch" else 0
     if args.slo_cost_file:
-        learner = BudgetLearner(OnlineCostFitter(load_coefficients(args.slo_cost_file)), args.slo_cost_file)
+        learner = BudgetLearner(OnlineCostFitter(load_coefficients(args.slo_cost_file), wide_rows=wide_rows),
+                                args.slo_cost_file)
     else:
-        learner = BudgetLearner(OnlineCostFitter(IterationCostCoefficients()), "warm-up")
+        learner = BudgetLearner(OnlineCostFitter(IterationCostCoefficients(), wide_rows=wide_rows), "warm-up")
         warm_up(engine, learner)
     engine.scheduler.set_cost_coefficients(learner.coefficients)
     logger.info("adaptive budget: TBT target %.1f ms, cost model from %s: %s", args.slo_tbt_ms,
@@ -74,7 +77,7 @@ def warm_up(engine: LLMEngine, learner: BudgetLearner) -> None:
                 seconds = (time.monotonic_ns() - start) / 1e9
                 engine.executor.sampler.free([s.request_id for s in plan.scheduled])
                 if repeat:
-                    learner.fitter.update(plan_features(plan.scheduled), seconds)
+                    learner.fitter.update(learner.features(plan), seconds)
     finally:
         pool.free(blocks)
     learner.fitter.anchor()

@@ -47,7 +47,7 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.slo import IterationCostCoefficients, plan_features
+from phaselab.core.slo import IterationCostCoefficients
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
@@ -73,12 +73,14 @@ def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearne
     """The engine's warm-up (engine/budget.py) on the virtual clock: the same synthetic shapes,
     timed by the cost model instead of the runner."""
     sc, cc = scheduler.scheduler_config, scheduler.cache_config
-    learner = BudgetLearner(OnlineCostFitter(IterationCostCoefficients()), "warm-up (simulated)")
+    # the engine's max_native_rows, where the cost model prices the batched GEMM's regime (CostParams)
+    wide_rows = int(getattr(getattr(cost_model, "params", None), "wide_rows", 0) or 0)
+    learner = BudgetLearner(OnlineCostFitter(IterationCostCoefficients(), wide_rows=wide_rows), "warm-up (simulated)")
     blocks = list(range(cc.num_blocks))
     for i, (chunks, decodes) in enumerate(warm_up_shapes(sc.max_num_batched_tokens, sc.max_num_seqs,
                                                          sc.max_model_len, cc.num_blocks * cc.block_size)):
         plan = shape_plan(-1 - i, chunks, decodes, blocks, cc.block_size)
-        learner.fitter.update(plan_features(plan.scheduled), cost_model.predict(plan).duration_ns / NS)
+        learner.fitter.update(learner.features(plan), cost_model.predict(plan).duration_ns / NS)
     learner.fitter.anchor()
     scheduler.set_cost_coefficients(learner.coefficients)
     return learner
