@@ -79,7 +79,12 @@ class IterationCostCoefficients:
 
     @classmethod
     def from_tuple(cls, values: Iterable[float], wide_rows: int = 0) -> IterationCostCoefficients:
-        return cls(*values, wide_rows=wide_rows)
+        """From the coefficients in COEFFICIENT_NAMES order (as_tuple), and the threshold."""
+        v = list(values)
+        if len(v) != len(COEFFICIENT_NAMES):
+            raise ConfigError(f"{len(v)} cost coefficients given; want {len(COEFFICIENT_NAMES)}: {COEFFICIENT_NAMES}")
+        return cls(overhead_s=v[0], prefill_token_s=v[1], prefill_context_s=v[2], decode_seq_s=v[3],
+                   decode_context_s=v[4], wide_s=v[5], wide_rows=wide_rows)
 
     def to_json(self) -> dict[str, float]:
         return {**{n: getattr(self, n) for n in COEFFICIENT_NAMES}, "wide_rows": self.wide_rows}
