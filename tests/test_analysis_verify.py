@@ -32,9 +32,9 @@ run (a dense checkpoint shared by these tests) ran the bf16 one, and batch 4 the
 instead of 26: the queue change was predicted at -53% TTFT p99 and measured at -27% against the
 other kernel, -52% against the run's own.
 
-A disagreement is measured once more from scratch before it fails: on a 2-core machine shared with
-other jobs a rerun's figures move by up to 90% between identical runs (verify prints that spread);
-a wrong prediction is wrong both times. Wall-clock times are never asserted, only the ratio of two
+A disagreement is measured again from scratch, up to twice, before it fails: on a 2-core machine
+shared with other jobs a rerun's figures move by up to 90% between identical runs (verify prints
+that spread); a wrong prediction is wrong every time. Wall-clock times are never asserted, only the ratio of two
 runs side by side.
 """
 
@@ -47,7 +47,7 @@ from phaselab.analysis.advice import LABEL, TARGET
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.analysis.predict import LOWER_IS_BETTER
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
-from tests.test_analysis_causes import prefill_arrivals
+from tests.test_analysis_causes import PREFILL_ENGINE, prefill_arrivals
 
 pytestmark = pytest.mark.slow
 REL = 0.25
@@ -82,7 +82,7 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
                              after_group_tokens=("stream", 6 + 10 * k)) for k in range(2)]
         return arrivals, {"policy": "prefill-first"}, "--policy chunked"
     if name == "prefill":  # test_analysis_causes.py's: lone prompts sharing a 768-token beginning, cache off
-        return prefill_arrivals(), {"enable_prefix_caching": False}, "--enable-prefix-caching"
+        return prefill_arrivals(), dict(PREFILL_ENGINE), "--enable-prefix-caching"
     if name == "decode-kv":
         rng = np.random.default_rng(2)
         prefix = random_prompt(rng, 3000)
@@ -104,7 +104,7 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
     arrivals, kw, flag = _scenario(cause)
     target = TARGET[cause]
     outcomes = []
-    for attempt in range(2):
+    for attempt in range(3):
         engine = LLMEngine(EngineArgs(dtype="bfloat16", **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}),
                            checkpoint=checkpoint)
         run_arrivals(engine, arrivals)
