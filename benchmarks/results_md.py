@@ -430,7 +430,7 @@ def served_sections(results: str, served: str | None) -> list[str]:
 
 def _plan_args(a: dict) -> str:
     keys = ("hardware", "slo_ttft_ms", "slo_tbt_ms", "attainment", "num_prompts", "input_len", "output_len", "budgets",
-            "max_num_seqs", "params", "verify_top")
+            "max_num_seqs", "params", "verify_top", "verify_runs")
     return "`" + " ".join(f"--{k.replace('_', '-')} {a[k]}" for k in keys if a.get(k) is not None) + "`"
 
 
@@ -441,16 +441,19 @@ def plan_verify_section(r: dict | None) -> list[str]:
                 "benchmarks/results/plan_verify.json` (command in docs/slo.md).", ""]
     v = r["verify"]
     out = ["## `phaselab plan --verify` on this machine (issue 17)", "",
-           f"Arguments: {_plan_args(r.get('arguments') or {})}. {r['definition']}. Verified: each configuration run for "
-           "real (bundled model, in process) at its planned rate; goodput there = requests meeting both SLOs per "
-           f"second of the run. Tolerance {v['tolerance']:.0%}.", "",
+           f"Machine: {v.get('cpu', 'CPU not recorded')}. Arguments: {_plan_args(r.get('arguments') or {})}. "
+           f"{r['definition']}. Verified: each configuration run for real (bundled model, in process) at its "
+           "planned rate, several times alternated with the others; goodput there = requests meeting both SLOs per "
+           f"second of the run, the median run's. Tolerance {v['tolerance']:.0%}.", "",
            "| rank | configuration | planned rate | attainment pred. | attainment meas. | goodput pred. | "
-           "goodput meas. | error | load | verdict |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "goodput meas. | error | each run's goodput | load | verdict |",
+           "|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---|"]
     for i, row in enumerate(v["rows"], start=1):
+        runs = ", ".join(f"{m['goodput']:.3g}" for m in row.get("runs") or [])
         out.append(f"| {i} | {row['configuration']} | {row['rate']:.3g}/s | {row['attainment_predicted']:.0%} | "
                    f"{row['attainment_measured']:.0%} | {row['goodput_predicted']:.3g}/s | "
-                   f"{row['goodput_measured']:.3g}/s | {row['goodput_error']:+.0%} | {row['loadavg_1m']:.1f} | "
-                   f"{'within' if row['within_tolerance'] else 'OUTSIDE'} |")
+                   f"{row['goodput_measured']:.3g}/s | {row['goodput_error']:+.0%} | {runs or 'one run'} | "
+                   f"{row['loadavg_1m']:.1f} | {'within' if row['within_tolerance'] else 'OUTSIDE'} |")
     return out + [""]
 
 

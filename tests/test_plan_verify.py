@@ -2,11 +2,13 @@
 predicted next to measured. The truth of the measured column is the real runs' own request records
 (requests.jsonl of each run directory), counted here from their raw timestamps; how close the
 prediction comes is the benchmark's business (a loaded machine moves it), not this test's: here,
-that the table and the exit code say what the numbers are."""
+that the table and the exit code say what the numbers are, and that each configuration ran as many
+times as asked, its median run counting."""
 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -37,20 +39,32 @@ def test_plan_verify_runs_the_plan_and_reports_measured_next_to_predicted(tmp_pa
     code = main(["plan", "--hardware", "cpu", "--slo-ttft-ms", str(TTFT_S * 1e3), "--slo-tbt-ms", str(TBT_S * 1e3),
                  "--num-prompts", "6", "--input-len", "uniform:16:32", "--output-len", "uniform:3:5",
                  "--budgets", "32", "--max-num-seqs", "8", "--bisections", "1", "--verify", "--verify-top", "2",
-                 "--verify-dir", str(tmp_path / "runs"), "--result-json", str(out)])
+                 "--verify-runs", "3", "--verify-dir", str(tmp_path / "runs"), "--result-json", str(out)])
     text = capsys.readouterr().out
-    rows = json.loads(out.read_text())["verify"]["rows"]
-    assert len(rows) == 2
+    result = json.loads(out.read_text())["verify"]
+    rows = result["rows"]
+    assert len(rows) == 2 and result["cpu"]  # the results name the CPU they were measured on
     for i, row in enumerate(rows, start=1):
-        n, good, span = _count(tmp_path / "runs" / f"rank-{i}" / "requests.jsonl")
-        assert n == row["num_requests"] == 6  # every planned request ran
-        assert row["attainment_measured"] == pytest.approx(good / n)
-        assert row["goodput_measured"] == pytest.approx(good / span, rel=1e-9)
+        counts = [_count(tmp_path / "runs" / f"rank-{i}" / f"run-{j}" / "requests.jsonl") for j in (1, 2, 3)]
+        assert [n for n, _, _ in counts] == [row["num_requests"]] * 3 == [6] * 3  # every planned request ran, 3 times
+        assert [r["attainment"] for r in row["runs"]] == pytest.approx([good / n for n, good, _ in counts])
+        assert [r["goodput"] for r in row["runs"]] == pytest.approx([good / span for _, good, span in counts], rel=1e-9)
+        assert row["attainment_measured"] == pytest.approx(statistics.median(good / n for n, good, _ in counts))
+        assert row["goodput_measured"] == pytest.approx(statistics.median(good / span for _, good, span in counts),
+                                                        rel=1e-9)
         error = (row["goodput_measured"] - row["goodput_predicted"]) / row["goodput_predicted"]
         assert row["within_tolerance"] == (abs(error) <= 0.2)
         assert row["configuration"] in text
-    assert "goodput pred" in text and "goodput meas" in text
+    assert "goodput pred" in text and "goodput meas" in text and "runs (median above)" in text
     if all(r["within_tolerance"] for r in rows):
         assert code == 0 and "verify passed" in text
     else:
         assert code == 3 and "VERIFY FAILED" in text
+
+
+def test_plan_verify_rejects_zero_runs_before_loading_anything(capsys):
+    code = main(["plan", "--hardware", "cpu", "--slo-ttft-ms", "1000", "--slo-tbt-ms", "100", "--verify",
+                 "--verify-runs", "0"])
+    err = capsys.readouterr().err
+    assert code != 0 and "--verify-runs must be >= 1 (got 0)" in err
+    assert "loading the bundled model" not in err

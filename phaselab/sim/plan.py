@@ -62,7 +62,10 @@ def add_plan_parser(sub: Any) -> None:
     v.add_argument("--verify-top", type=int, default=2, help="configurations to run (default: 2)")
     v.add_argument("--verify-tolerance", type=float, default=0.2,
                    help="largest |measured - predicted| / predicted goodput that passes (default: 0.2)")
-    v.add_argument("--verify-dir", default=None, help="write each measured run's run directory under this folder")
+    v.add_argument("--verify-runs", type=int, default=3,
+                   help="real runs of each configuration, alternated between them; the median counts (default: 3)")
+    v.add_argument("--verify-dir", default=None,
+                   help="write each measured run's run directory under this folder (rank-I/run-J)")
     p.add_argument("--result-json", default=None, help="write every candidate, ranked, here")
 
 
@@ -103,6 +106,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     if ns.verify:
         from phaselab.sim.verify import Verifier
 
+        if ns.verify_runs < 1:
+            raise ConfigError(f"--verify-runs must be >= 1 (got {ns.verify_runs})")
         if hw.name != "cpu":
             raise ConfigError(f"--verify runs the planned configurations on this machine; plan with --hardware cpu "
                               f"(got {hw.name!r}), or drop --verify to plan for {hw.name} by simulation alone")
@@ -112,7 +117,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(f"phaselab plan: --verify plans the bundled model ({model.name or model.architecture}), colocated, "
               "on this machine", file=sys.stderr)
         if params is None:
-            params = verifier.calibrate(workload(1.0), _csv(ns.budgets, int), hw)
+            params = verifier.calibrate(workload, _csv(ns.budgets, int), hw)
     elif hw.name == "cpu" and params is None:
         print("phaselab plan: note: --hardware cpu without --params uses placeholder efficiencies; calibrate on a "
               "run of this machine first (`phaselab simulate calibrate RUN_DIR --out cpu.json`)", file=sys.stderr)
@@ -142,9 +147,13 @@ def run_plan(ns: argparse.Namespace) -> int:
     else:
         from phaselab.sim.verify import render, verify
 
-        rows = verify(ranked, workload, slo, verifier, ns.verify_top, ns.verify_tolerance, ns.verify_dir)
+        rows = verify(ranked, workload, slo, verifier, ns.verify_top, ns.verify_tolerance, ns.verify_dir,
+                      ns.verify_runs)
         print(render(rows, ns.verify_tolerance))
-        out["verify"] = {"tolerance": ns.verify_tolerance, "rows": [r.to_json(ns.verify_tolerance) for r in rows]}
+        from phaselab.model.linear_probe import cpu_info
+
+        out["verify"] = {"tolerance": ns.verify_tolerance, "cpu": cpu_info()["model"],
+                         "rows": [r.to_json(ns.verify_tolerance) for r in rows]}
         if not all(r.within(ns.verify_tolerance) for r in rows):
             code = 3
     if ns.result_json:
