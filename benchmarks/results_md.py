@@ -335,9 +335,11 @@ def slo_section(r: dict | None) -> list[str]:
     keys = [f"{t * 1e3:g}" for t in r["targets_s"]]
     m = r["machine"]
     step = f"{r['decode_step_s'] * 1e3:.0f} ms" if r.get("decode_step_s") else "given"
+    times = (" and ".join(f"{t / r['decode_step_s']:.0f}x" for t in r["targets_s"]) if r.get("decode_step_s")
+             else "given, not derived from")
     out = ["## SLO-aware serving (`benchmarks/slo_serving.py`, issue 17)", "",
            f"{m.get('cpu', m['processor'])}, {m['cores']} cores, {m['dtype']}, load average at start "
-           f"{m['loadavg_at_start'][0]:.1f}. TBT targets {', '.join(k + ' ms' for k in keys)} (2x and 4x the "
+           f"{m['loadavg_at_start'][0]:.1f}. TBT targets {', '.join(k + ' ms' for k in keys)} ({times} the "
            f"decode step of the interference streams alone: {step}). Goodput: requests/s with TTFT <= "
            f"{r['ttft_slo_s']:g} s and TPOT <= the target. 'held': ITL p99 <= 1.15 x the target.", ""]
     if r.get("code_note"):
