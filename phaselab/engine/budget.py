@@ -41,8 +41,7 @@ def load_coefficients(path: str) -> IterationCostCoefficients:
 
 def start_learner(engine: LLMEngine) -> BudgetLearner:
     args = engine.args
-    # above max_native_rows rows the linear layers leave the one-row kernel for the batched GEMM
-    wide_rows = engine.linear.max_native_rows if engine.linear.path != "torch" else 0
+    wide_rows = engine.linear.wide_rows
     if args.slo_cost_file:
         learner = BudgetLearner(OnlineCostFitter(load_coefficients(args.slo_cost_file), wide_rows=wide_rows),
                                 args.slo_cost_file)

@@ -80,6 +80,12 @@ class LinearDecision:
         paths widen them once (one rounding, not one into the engine dtype and another after)."""
         return self.path != "torch"
 
+    @property
+    def wide_rows(self) -> int:
+        """Rows above which a forward leaves the one-row kernel for the batched GEMM, a cost step the
+        cost models price apart (core/slo.py, sim/calibrate.py); 0 when every layer runs through torch."""
+        return self.max_native_rows if self.path != "torch" else 0
+
     def summary(self) -> str:
         isa = ",".join(k for k, v in self.cpu.get("isa", {}).items() if v) or "none"
         dtype = f"dtype {self.dtype_reason}; " if self.dtype_reason else ""

@@ -92,16 +92,16 @@ class VerifyRow:
                 "goodput_error": self.error, "within_tolerance": self.within(tolerance)}
 
 
-def good_and_span(requests: Sequence[Any], ttft_s: float, tpot_s: float) -> tuple[int, float]:
-    """Requests meeting both SLOs (sim.report.slo_attainment's rule) and the run's span in seconds
-    (first arrival to last finish)."""
+def attainment_and_goodput(requests: Sequence[Any], ttft_s: float, tpot_s: float) -> tuple[float, float]:
+    """The share of requests meeting both SLOs (sim.report.slo_attainment's rule) and goodput: those
+    requests per second of the run (first arrival to last finish); (0, 0) for no requests."""
     from phaselab.sim.report import slo_attainment
 
     if not requests:
-        return 0, 0.0
-    good = round(slo_attainment(requests, ttft_s, tpot_s) * len(requests))
+        return 0.0, 0.0
+    attainment = slo_attainment(requests, ttft_s, tpot_s)
     span = (max(m.finished_ns for m in requests) - min(m.arrived_ns for m in requests)) / 1e9
-    return good, span
+    return attainment, round(attainment * len(requests)) / span if span > 0 else 0.0
 
 
 class Verifier:
@@ -185,15 +185,14 @@ class Verifier:
                   for k, budget in enumerate([max(budgets), *budgets])]
         passes.append(("spread", max(budgets), [r.offset_ns / 1e9 for r in spread]))
         iters: list[Any] = []
-        wide_rows = 0
+        wide_rows = 0  # the engine's LinearDecision.wide_rows, the same on every pass
         for k, (name, budget, offsets) in enumerate(passes):
             self.log(f"verify: calibration pass {k + 1}/{len(passes)} ({name}, budget {budget}, "
                      f"{len(requests)} requests{'' if k else ', not fitted'})")
             sched = SchedulerConfig.resolve(policy="chunked", max_num_batched_tokens=budget, max_num_seqs=256,
                                             max_model_len=max_len)
             engine = self.engine(sched, max_len)
-            linear = getattr(engine, "linear", None)
-            wide_rows = linear.max_native_rows if linear is not None and linear.path != "torch" else 0
+            wide_rows = engine.linear.wide_rows
             run_arrivals(engine, [Arrival(f"calibration-{name}-{r.request_id}",
                                           random_prompt(rng, r.num_prompt_tokens), r.output_len or r.max_tokens,
                                           "calibration", at_s=at) for r, at in zip(requests, offsets)])
@@ -216,7 +215,6 @@ def verify(ranked: Sequence[Any], workload_at: Callable[[float], list[Any]], slo
     times each, alternated (rank 1, rank 2, rank 1, ...); run j of rank i is written to
     run_dir/rank-i/run-j."""
     from phaselab.sim.loop import simulate
-    from phaselab.sim.report import slo_attainment
     from phaselab.workload.arrivals import ArrivalPlan
 
     if runs < 1:
@@ -229,9 +227,8 @@ def verify(ranked: Sequence[Any], workload_at: Callable[[float], list[Any]], slo
     for c in chosen:
         requests = workload_at(c.rate)
         predicted = simulate(c.deployment, requests, ArrivalPlan(self_timed=True), record_iterations=False).requests
-        good, span = good_and_span(predicted, slo.ttft_s, slo.tpot_s)
         rows.append(VerifyRow(c.deployment.describe(), c.rate, len(requests),
-                              slo_attainment(predicted, slo.ttft_s, slo.tpot_s), good / span if span > 0 else 0.0))
+                              *attainment_and_goodput(predicted, slo.ttft_s, slo.tpot_s)))
         workloads.append(requests)
     for j in range(1, runs + 1):
         for i, (c, row, requests) in enumerate(zip(chosen, rows, workloads), start=1):
@@ -240,9 +237,7 @@ def verify(ranked: Sequence[Any], workload_at: Callable[[float], list[Any]], slo
             verifier.log(f"verify run {j}/{runs} of [{i}/{len(chosen)}] {d.describe()} at {c.rate:.3g} req/s: "
                          f"{len(requests)} requests")
             measured, load = verifier.run(d.scheduler_config(d.colocated), requests, where)
-            good, span = good_and_span(measured, slo.ttft_s, slo.tpot_s)
-            row.runs.append(MeasuredRun(slo_attainment(measured, slo.ttft_s, slo.tpot_s),
-                                        good / span if span > 0 else 0.0, load, where))
+            row.runs.append(MeasuredRun(*attainment_and_goodput(measured, slo.ttft_s, slo.tpot_s), load, where))
             verifier.log(f"  attainment {row.runs[-1].attainment:.0%} (predicted {row.attainment_predicted:.0%}), "
                          f"goodput {row.runs[-1].goodput:.3g}/s (predicted {row.goodput_predicted:.3g}/s)")
     return rows
