@@ -8,7 +8,8 @@ Workloads (the offline engine driven with arrival timing, phaselab.workload.driv
   poisson       a mix: Poisson arrivals (--rate req/s), 70% short prompts (32-128 tokens), 30% long
                 (512-1024), 32-96 output tokens, EOS ignored
 Configurations: prefill-first; chunked at fixed budgets (--budgets, a sweep); adaptive (--slo-tbt-ms)
-at two targets. The targets, unless given, are 6x and 12x the median decode-only iteration of the
+at two targets, told the TTFT target too (--ttft-slo-s as --slo-ttft-ms: shortest prompt first until a
+request has waited half of it); and, at the first --fcfs-adaptive targets, adaptive in FCFS order. The targets, unless given, are 6x and 12x the median decode-only iteration of the
 interference streams measured first on this machine (a CPU's speed differs from run to run). They
 must be targets some fixed budget can hold, or the acceptance has nothing to match: at 2x and 4x
 (44 and 88 ms on an AMD EPYC whose step was 22 ms) none did, every fixed ITL p99 was >= 150 ms
@@ -152,6 +153,8 @@ def main() -> int:
     ap.add_argument("--ttft-slo-s", type=float, default=10.0, help="TTFT target of goodput (default 10 s on a CPU)")
     ap.add_argument("--rate", type=float, default=None, help="Poisson mix: requests per second (default 1.0)")
     ap.add_argument("--num-mix", type=int, default=None, help="Poisson mix: requests (default 40; --quick 12)")
+    ap.add_argument("--fcfs-adaptive", type=int, default=1,
+                    help="also run the adaptive budget with the FCFS order at the first N targets (default 1)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every configuration (default 2)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "slo_serving.json"))
@@ -191,8 +194,14 @@ def main() -> int:
               f"{', '.join(f'{t * 1e3:g} ms' for t in targets)}", file=sys.stderr)
     configs: list[tuple[str, dict[str, Any]]] = [("prefill-first", dict(policy="prefill-first"))]
     configs += [(f"chunked-{b}", dict(policy="chunked", max_num_batched_tokens=b)) for b in budgets]
+    # SLO-aware serving is told both targets: the budget follows the TBT target, the prefill order
+    # the TTFT target of goodput (core/slo.py's prefill_rank); "-fcfs" keeps the order FCFS, to
+    # show what each of the two does
     configs += [(f"adaptive-{t * 1e3:g}ms", dict(policy="chunked", max_num_batched_tokens=max(budgets),
-                                                 slo_tbt_ms=t * 1e3)) for t in targets]
+                                                 slo_tbt_ms=t * 1e3, slo_ttft_ms=ns.ttft_slo_s * 1e3))
+                for t in targets]
+    configs += [(f"adaptive-{t * 1e3:g}ms-fcfs", dict(policy="chunked", max_num_batched_tokens=max(budgets),
+                                                      slo_tbt_ms=t * 1e3)) for t in targets[:ns.fcfs_adaptive]]
     report: dict[str, Any] = {
         "machine": {"processor": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                     "loadavg_at_start": list(os.getloadavg()), "torch": torch.__version__,

@@ -56,6 +56,7 @@ class Harness:
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,
         max_num_partial_prefills: int = 1,
+        slo_ttft_ms: float = 0.0,
     ) -> None:
         self.sched = Scheduler(
             SchedulerConfig(
@@ -65,6 +66,7 @@ class Harness:
                 max_model_len=max_model_len,
                 long_prefill_token_threshold=long_prefill_token_threshold,
                 max_num_partial_prefills=max_num_partial_prefills,
+                slo_ttft_ms=slo_ttft_ms,
             ),
             CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=enable_prefix_caching),
         )
@@ -74,11 +76,12 @@ class Harness:
         self.outputs: dict[str, list[int]] = defaultdict(list)
         self.finish_reasons: dict[str, str] = {}
         self.plans: list[SchedulerOutput] = []
+        self.clock = 0.0  # seconds: the arrival_time of add() and the `now` of step(), one per step
 
     def add(self, rid: str, prompt: list[int], eos: frozenset[int] = frozenset(), **params) -> Request:
         params.setdefault("max_tokens", 8)
         req = Request(rid, prompt, SamplingParams(**params), eos_token_ids=eos,
-                      max_model_len=self.sched.scheduler_config.max_model_len)
+                      max_model_len=self.sched.scheduler_config.max_model_len, arrival_time=self.clock)
         self.sched.add_request(req)
         self.requests[rid] = req
         return req
@@ -103,10 +106,11 @@ class Harness:
         return result
 
     def step(self) -> tuple[SchedulerOutput, list[RequestDelta]]:
-        plan = self.sched.schedule()
+        plan = self.sched.schedule(self.clock)
         deltas = self.sched.update(plan, self.execute(plan))
         self.sched.check_invariants()
         self.record(plan, deltas)
+        self.clock += 1.0
         return plan, deltas
 
     def record(self, plan: SchedulerOutput, deltas: list[RequestDelta]) -> None:

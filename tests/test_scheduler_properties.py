@@ -1,5 +1,6 @@
 """Hypothesis: random arrivals, lengths, budgets, cache sizes, shared prefixes and aborts, both
-policies; the scheduler's promises are checked after every step (issue 3's acceptance)."""
+policies, FCFS or the TTFT order; the scheduler's promises are checked after every step (issue 3's
+acceptance)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def scenarios(draw: st.DrawFn, policy: str) -> Scenario:
         enable_prefix_caching=draw(st.booleans()),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 3, 8])),
         max_num_partial_prefills=draw(st.integers(1, 3)),
+        # TTFT order (one step = 1 s of the harness clock): off, or a target of a few steps
+        slo_ttft_ms=draw(st.sampled_from([0.0, 0.0, 2000.0, 6000.0, 30000.0])),
     )
     # A few shared prefixes over a tiny alphabet, so full blocks repeat across requests.
     tokens = st.integers(1, 4)
@@ -105,6 +108,7 @@ def _run(scenario: Scenario) -> None:
 
     last_arrival = max(s.arrival_step for s in scenario.specs)
     for step in range(MAX_STEPS):
+        h.clock = float(step)
         add_arrivals(step)
         aborts(step, in_flight=False)
         sched.check_invariants()
@@ -112,7 +116,7 @@ def _run(scenario: Scenario) -> None:
             break
         running_before = {r.request_id for r in sched.running}
         decodes_before = {r.request_id for r in sched.running if not r.is_prefill}
-        plan = sched.schedule()
+        plan = sched.schedule(h.clock)
         aborts(step, in_flight=True)
         deltas = sched.update(plan, h.execute(plan))
         sched.check_invariants()

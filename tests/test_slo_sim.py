@@ -184,3 +184,27 @@ def test_planning_corrects_a_fit_biased_by_a_loaded_warm_up():
     with_decodes = [r.duration_s for r in result.iterations if r.num_decode_tokens]
     assert sum(t > target for t in with_decodes) <= 0.15 * len(with_decodes)
     assert max(with_decodes) <= 1.15 * target
+
+
+def test_the_simulator_orders_prefills_by_the_ttft_target():
+    """The simulator hands the scheduler its clock: with a TTFT target the short prompts that arrive
+    during a long prompt's chunks are prefilled before its last chunk (they waited for all of them
+    in FCFS order), and the long prompt still starts at once and finishes."""
+    from phaselab.sim.workload import SimRequest
+
+    reqs = [SimRequest("long", 6000, 4, arrival_s=0.0)]
+    reqs += [SimRequest(f"short-{k}", 200, 4, arrival_s=0.005 + 0.005 * k, index=k + 1) for k in range(8)]
+
+    def run(ttft_ms: float):
+        d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=1024, slo_ttft_ms=ttft_ms))
+        return {m.request_id: m for m in simulate(d, [dataclasses.replace(r) for r in reqs],
+                                                  check_invariants=True).requests}
+
+    fcfs, ordered = run(0.0), run(60_000.0)
+    long_first = {k: v["long"].first_token_sampled_ns for k, v in (("fcfs", fcfs), ("ordered", ordered))}
+    for k in range(8):
+        rid = f"short-{k}"
+        assert fcfs[rid].first_token_sampled_ns > long_first["fcfs"]  # behind every chunk of the long prompt
+        assert ordered[rid].first_token_sampled_ns < long_first["ordered"]  # passed it
+        assert ordered[rid].ttft_s < fcfs[rid].ttft_s / 2
+    assert ordered["long"].num_output_tokens == fcfs["long"].num_output_tokens == 4

@@ -48,8 +48,9 @@ class SchedulerConfig:
         "help": "time-between-tokens target (ms; 0 = off): with policy 'chunked' each iteration's prefill "
                 "budget is the largest whose predicted time, given its decodes, stays under it (docs/slo.md)"})
     slo_ttft_ms: float = field(default=0.0, metadata={
-        "help": "time-to-first-token target (ms; 0 = off): reported as attainment (diagnose); with one target "
-                "for every request, earliest-deadline-first admission is the FCFS order kept"})
+        "help": "time-to-first-token target (ms; 0 = off): orders the prefills, shortest prompt first until a "
+                "request has waited half of it, then first come first served (docs/slo.md), and is reported as "
+                "attainment (diagnose)"})
     slo_margin: float = field(default=0.1, metadata={
         "help": "fraction of --slo-tbt-ms kept free beyond the measured prediction error: the budget aims at "
                 "T x (1 - margin) with the fit scaled by the recent median of measured / predicted"})

@@ -35,6 +35,14 @@ coefficients the engine last fitted (`set_cost_coefficients`). The rules above a
 cap only lowers how many prefill tokens the budget leaves. The decision rides on the plan
 (`plan.budget`) for the iteration record.
 
+Prefill order (SchedulerConfig.slo_ttft_ms > 0 and schedule(now)): the waiting queue is kept in
+core/slo.py's prefill_rank order instead of FCFS: requests resuming after a preemption first, then
+those that have waited half their TTFT target (FCFS), then the shortest remaining prompt. With the
+chunked policy a request mid-prefill yields to the head of that queue when the head ranks before
+it (a short prompt that arrived during a long one's chunks): the admissions take the budget first
+and the yielding prefill gets what is left. FCFS strictness holds in the new order. Without a
+target, or without the caller's clock, the order is FCFS as above.
+
 Preemption by recompute: when a running request cannot get the block its step needs, the most
 recently admitted running request is preempted (possibly itself): its blocks are freed, its
 num_computed_tokens goes back to 0 and it goes to the front of the waiting queue. On resume it
@@ -85,6 +93,7 @@ from phaselab.core.slo import (
     choose_prefill_budget,
     chunk_cost,
     largest_chunk_within,
+    prefill_rank,
 )
 from phaselab.errors import InvalidRequestError
 
@@ -113,6 +122,7 @@ class Scheduler:
         self._prefill_left = 0  # prefill tokens this iteration may still schedule
         # predicted seconds of prefill this iteration may still add (adaptive, feasible), else None
         self._time_left: float | None = None
+        self._yielding: set[str] = set()  # mid-prefill requests served after the admissions (TTFT order)
 
     def set_cost_coefficients(self, coefficients: IterationCostCoefficients) -> None:
         """The adaptive budget's cost model for the next schedule() (the engine refits it)."""
@@ -216,12 +226,16 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
 
     # -- schedule -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """The next iteration's plan. `now`: the caller's clock, on the scale of the requests'
+        arrival_time (seconds); with a TTFT target it orders the prefills (_order_prefills), and
+        without it (or without a target) the order is FCFS."""
         assert not self._in_flight, "schedule() called before update() of the previous plan"
         self.iteration_id += 1
         plan = SchedulerOutput(iteration_id=self.iteration_id)
         budget = self._prefill_left = self.scheduler_config.max_num_batched_tokens
         self._time_left = None
+        self._yielding = self._order_prefills(now)
         if self.scheduler_config.adaptive:
             plan.budget = decision = self._choose_budget()
             self._prefill_left = decision.prefill_budget
@@ -242,7 +256,9 @@ class Scheduler:
         else:
             budget = self._schedule_running(plan, budget)
             if not plan.preempted_request_ids:
-                self._schedule_waiting(plan, budget, whole_prompts=False)
+                budget = self._schedule_waiting(plan, budget, whole_prompts=False)
+            if self._yielding:
+                self._schedule_yielded(plan, budget)
         plan.finished_request_ids, self._finished_ids = self._finished_ids, []
         plan.num_free_blocks = self.kv_cache_manager.block_pool.num_free_blocks
         plan.num_used_blocks = self.kv_cache_manager.block_pool.num_used_blocks
@@ -250,15 +266,42 @@ class Scheduler:
         self._last_plan = plan
         return plan
 
+    def _order_prefills(self, now: float | None) -> set[str]:
+        """With a TTFT target and the caller's clock, put the waiting queue in core/slo.py's
+        prefill_rank order (resuming first, then those that waited half their target, FCFS, then
+        the shortest remaining prompt) and return the running mid-prefill requests that yield this
+        iteration's prefill tokens to the head of that queue (they are served after the
+        admissions, from what budget is left: _schedule_yielded). Without either: FCFS, nobody
+        yields."""
+        cfg = self.scheduler_config
+        if cfg.slo_ttft_ms <= 0 or now is None or not self.waiting:
+            return set()
+        ttft_s = cfg.slo_ttft_ms / 1e3
+
+        def rank(r: Request, position: int | None = None) -> tuple[int, float, float]:
+            return prefill_rank(r.arrival_time, r.num_tokens_to_compute, now, ttft_s, position)
+
+        ranked = sorted(enumerate(self.waiting), key=lambda ir: rank(
+            ir[1], ir[0] if ir[1].status == RequestStatus.PREEMPTED else None))
+        self.waiting = deque(r for _, r in ranked)
+        if cfg.policy != "chunked" or len(self.running) >= cfg.max_num_seqs:
+            return set()  # no seat: the head waits whatever the running prefills do
+        head = rank(self.waiting[0], 0 if self.waiting[0].status == RequestStatus.PREEMPTED else None)
+        return {r.request_id for r in self.running if r.is_prefill and head < rank(r)}
+
     def _choose_budget(self) -> BudgetDecision:
-        """The adaptive prefill budget of this iteration (core/slo.py), from the counters."""
+        """The adaptive prefill budget of this iteration (core/slo.py), from the counters; the
+        pending prefills in the order they will be served (partial prefills in running order, the
+        waiting requests with a seat, the partial prefills yielding to them)."""
         cfg = self.scheduler_config
         cap = cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
         decodes: list[int] = []
         segments: list[tuple[int, int]] = []
+        yielded: list[tuple[int, int]] = []
         for r in self.running:
             if r.is_prefill:
-                segments.append((r.num_computed_tokens, min(r.num_tokens_to_compute, cap)))
+                seg = (r.num_computed_tokens, min(r.num_tokens_to_compute, cap))
+                (yielded if r.request_id in self._yielding else segments).append(seg)
             else:
                 decodes.append(r.num_computed_tokens + 1)  # its one query attends its whole context
         pending = sum(n for _, n in segments)
@@ -268,6 +311,7 @@ class Scheduler:
             _, num_hit = self.kv_cache_manager.get_computed_blocks(r)
             segments.append((num_hit, min(r.num_tokens - num_hit, cap)))
             pending += segments[-1][1]
+        segments += yielded
         return choose_prefill_budget(self.cost_coefficients, decodes, segments, cfg.slo_tbt_ms / 1e3,
                                      cfg.slo_margin, cfg.slo_min_chunk, cfg.max_num_batched_tokens)
 
@@ -282,6 +326,9 @@ class Scheduler:
             if is_decode:
                 num_decodes_left -= 1
                 num_new = 1
+            elif request.request_id in self._yielding:
+                i += 1  # served after the admissions it yields to (_schedule_yielded)
+                continue
             else:
                 num_new = self._chunk_size(request.num_tokens_to_compute, budget - num_decodes_left,
                                            request.num_computed_tokens)
@@ -302,6 +349,25 @@ class Scheduler:
             self._add_scheduled(plan, request, num_new, new_block_ids, is_prefill=not is_decode)
             budget -= num_new
             i += 1
+        return budget
+
+    def _schedule_yielded(self, plan: SchedulerOutput, budget: int) -> int:
+        """The mid-prefill requests that yielded to waiting ones (_order_prefills): chunks from the
+        budget left, in running order. Nobody is preempted for them (everything else running is
+        already served this iteration): one whose blocks do not fit waits for the next."""
+        for request in self.running:
+            if budget <= 0:
+                break
+            if request.request_id not in self._yielding:
+                continue
+            num_new = self._chunk_size(request.num_tokens_to_compute, budget, request.num_computed_tokens)
+            if num_new == 0:
+                continue
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            self._add_scheduled(plan, request, num_new, new_block_ids, is_prefill=True)
+            budget -= num_new
         return budget
 
     def _schedule_waiting(self, plan: SchedulerOutput, budget: int, whole_prompts: bool) -> int:

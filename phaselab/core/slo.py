@@ -213,6 +213,34 @@ def choose_prefill_budget(
     return BudgetDecision(good, target_s, limit, predicted(good), True, "target")
 
 
+# A request that has waited this fraction of its TTFT target is served in arrival order, ahead of
+# every request that has not: shorter prompts may pass it only while it keeps at least half its
+# target for its own prefill (prefill_rank).
+TTFT_URGENT_FRACTION = 0.5
+
+
+def prefill_rank(arrival_s: float, remaining_tokens: int, now_s: float, ttft_s: float,
+                 resume_position: int | None = None) -> tuple[int, float, float]:
+    """Where a request's prefill goes in the order the scheduler hands out prefill tokens, when a
+    TTFT target is set (smaller first):
+
+        resuming after a preemption   (0, its place at the queue's front)     it was admitted before
+        waited >= TTFT_URGENT_FRACTION x target
+                                      (1, arrival)                           first come, first served
+        otherwise                     (2, remaining prefill tokens, arrival) shortest first
+
+    Shortest-remaining-first minimises the mean time to first token (a short prompt no longer
+    waits behind a long one's chunks); the urgent class bounds what that costs a long prompt: once
+    it has waited half its target nobody new passes it, so no request starves and each keeps half
+    its target for its own prefill. With one target for every request the urgent class is the
+    FCFS order of earliest-deadline-first."""
+    if resume_position is not None:
+        return (0, float(resume_position), 0.0)
+    if now_s - arrival_s >= TTFT_URGENT_FRACTION * ttft_s:
+        return (1, arrival_s, 0.0)
+    return (2, float(remaining_tokens), arrival_s)
+
+
 def chunk_cost(coeffs: IterationCostCoefficients, num_tokens: int, start: int) -> float:
     """The prefill terms of one chunk of `num_tokens` after `start` cached tokens."""
     return coeffs.prefill_token_s * num_tokens + coeffs.prefill_context_s * chunk_keys(num_tokens, start)

@@ -323,7 +323,7 @@ class LLMEngine:
     # -- the loop ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic_ns()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(t0 / 1e9)  # the clock of the requests' arrival_time
         t1 = time.monotonic_ns()
         result = self.executor.execute(plan)
         t2 = time.monotonic_ns()

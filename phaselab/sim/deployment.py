@@ -45,7 +45,7 @@ class RoleConfig:
     num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (None: from memory)"})
     slo_tbt_ms: float = field(default=0.0, metadata={
         "help": "TBT target (ms, 0 = off): the adaptive prefill budget, learned online as on the engine"})
-    slo_ttft_ms: float = field(default=0.0, metadata={"help": "TTFT target (ms, 0 = off), reported as attainment"})
+    slo_ttft_ms: float = field(default=0.0, metadata={"help": "TTFT target (ms, 0 = off): orders the prefills (docs/slo.md), reported as attainment"})
     slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept beyond the measured prediction error"})
     slo_min_chunk: int = field(default=32, metadata={"help": "smallest prefill chunk the adaptive budget gives"})
 

@@ -329,7 +329,7 @@ class Simulator:
                 self._send_first(t, now + self.delivery_ns)
         if not sched.has_schedulable_requests():
             return  # idle until an arrival, a transfer or a release kicks it
-        plan = sched.schedule()
+        plan = sched.schedule(now / NS)  # the clock of the requests' arrival_time
         if plan.is_empty:
             return  # e.g. a prefill worker whose blocks are all parked: a release will kick it
         result = w.executor.execute(plan)
