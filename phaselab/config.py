@@ -116,6 +116,7 @@ def runtime_settings() -> dict[str, str | int | bool | None]:
     return {
         "torch_num_threads": torch.get_num_threads(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "malloc_tuned": bool(_ALLOCATOR_TUNED),
     }
