@@ -21,9 +21,8 @@ import time
 from typing import Any
 
 from phaselab.cliargs import add_fields, field_values
-from phaselab.config import EngineArgs
+from phaselab.config import SPIN_COUNT, EngineArgs
 
-SPIN_COUNT = "20000"  # pause loops an OpenMP thread spins after a parallel region (module docstring)
 SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer takes longer than the next ones."
 
 
