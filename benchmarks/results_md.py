@@ -459,7 +459,7 @@ def plan_verify_section(r: dict | None) -> list[str]:
     return out + [""]
 
 
-def wait_policy_section(r: dict | None) -> list[str]:
+def wait_policy_section(r: dict | None, served: dict[str, dict] | None = None) -> list[str]:
     """OpenMP's wait policy and the decode step (benchmarks/wait_policy.py, issue 18)."""
     if r is None:
         return []
@@ -486,7 +486,23 @@ def wait_policy_section(r: dict | None) -> list[str]:
         env = ", ".join(f"{k}={v}" for k, v in r["policies"][policy].items())
         out.append(f"| {policy} ({env}) | {'alone' if n == 1 else 'two at once'} | " + " | ".join(cells)
                    + f" | {statistics.median(cpu1):.2f} |")
-    return out + [""]
+    out.append("")
+    if served:
+        first = next(iter(served.values()))
+        out += ["Served (`benchmarks/serve_vs_peers.py --servers phaselab --phaselab-dtype auto "
+                "--phaselab-omp-wait-policy P`, one run each, back to back, "
+                f"{first['servers']['phaselab']['date']} onwards; the same client and workloads as the served "
+                "section): output tok/s | TTFT p50 ms | ITL p50 ms. Beside the engine, `serve` runs its HTTP event "
+                "loop and the client streams from the same 2 cores: there the spinning thread holds a core they need.",
+                "", "| workload | " + " | ".join(served) + " |", "|---|" + "---|" * len(served)]
+        for w in first["servers"]["phaselab"]["workloads"]:
+            cells = []
+            for d in served.values():
+                v = d["servers"]["phaselab"]["workloads"][w]
+                cells.append(f"{v['output_throughput']:.1f} \\| {v['median_ttft_ms']:.0f} \\| {v['median_itl_ms']:.1f}")
+            out.append(f"| {w} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
 
 
 def main() -> None:
@@ -522,7 +538,10 @@ def main() -> None:
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))
     lines += plan_verify_section(load(os.path.join(ns.results, "plan_verify.json")))
-    lines += wait_policy_section(load(os.path.join(ns.results, "wait_policy.json")))
+    served_policies = {name: load(os.path.join(ns.results, f"wait_policy_served_{stem}.json"))
+                       for name, stem in (("spin-20000", "spin"), ("PASSIVE", "passive"))}
+    lines += wait_policy_section(load(os.path.join(ns.results, "wait_policy.json")),
+                                 {k: v for k, v in served_policies.items() if v is not None})
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")
