@@ -459,6 +459,52 @@ def plan_verify_section(r: dict | None) -> list[str]:
     return out + [""]
 
 
+def wait_policy_section(r: dict | None, served: dict[str, dict] | None = None) -> list[str]:
+    """OpenMP's wait policy and the decode step (benchmarks/wait_policy.py, issue 18)."""
+    if r is None:
+        return []
+    import statistics
+
+    cpu = r["cpu"]
+    out = ["## OpenMP wait policy and the decode step (`benchmarks/wait_policy.py`, issue 18)", "",
+           f"{cpu.get('cpu_model')}; run {r['started']}, load average {r['loadavg_at_start']:.1f} at start, "
+           f"{r.get('loadavg_at_end', 0):.1f} at end. The engine as served (`--dtype auto`), one process per "
+           "configuration (OpenMP reads the variables when torch loads it); median decode-only iteration of "
+           "512-token contexts, ms, the median over rounds and processes (each round's figures in brackets); "
+           "CPU: the process's CPU seconds per wall second (2 = both threads busy all the time). "
+           "'two at once': two identical processes on the same 2 cores, as two disaggregated workers run.", "",
+           "| policy | processes | " + " | ".join(f"batch {b}" for b in r["batches"]) + " | CPU (batch 1) |",
+           "|---|---|" + "---|" * len(r["batches"]) + "---|"]
+    keys = sorted({(x["policy"], x["processes"]) for x in r["runs"]}, key=lambda k: (k[1], k[0]))
+    for policy, n in keys:
+        runs = [x for x in r["runs"] if x["policy"] == policy and x["processes"] == n]
+        cells = []
+        for b in r["batches"]:
+            v = [x["batches"][str(b)]["step_ms"] for x in runs]
+            cells.append(f"{statistics.median(v):.1f} ({', '.join(f'{y:.1f}' for y in v)})")
+        cpu1 = [x["batches"][str(r["batches"][0])]["cpu_s_per_wall_s"] for x in runs]
+        env = ", ".join(f"{k}={v}" for k, v in r["policies"][policy].items())
+        out.append(f"| {policy} ({env}) | {'alone' if n == 1 else 'two at once'} | " + " | ".join(cells)
+                   + f" | {statistics.median(cpu1):.2f} |")
+    out.append("")
+    if served:
+        first = next(iter(served.values()))
+        out += ["Served (`benchmarks/serve_vs_peers.py --servers phaselab --phaselab-dtype auto "
+                "--phaselab-omp-wait-policy P`, one run each, back to back, "
+                f"{first['servers']['phaselab']['date']} onwards; the same client and workloads as the served "
+                "section): output tok/s | TTFT p50 ms | ITL p50 ms. Beside the engine, `serve` runs its HTTP event "
+                "loop and the client streams from the same 2 cores: there the spinning thread holds a core they need.",
+                "", "| workload | " + " | ".join(served) + " |", "|---|" + "---|" * len(served)]
+        for w in first["servers"]["phaselab"]["workloads"]:
+            cells = []
+            for d in served.values():
+                v = d["servers"]["phaselab"]["workloads"][w]
+                cells.append(f"{v['output_throughput']:.1f} \\| {v['median_ttft_ms']:.0f} \\| {v['median_itl_ms']:.1f}")
+            out.append(f"| {w} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -492,6 +538,10 @@ def main() -> None:
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))
     lines += plan_verify_section(load(os.path.join(ns.results, "plan_verify.json")))
+    served_policies = {name: load(os.path.join(ns.results, f"wait_policy_served_{stem}.json"))
+                       for name, stem in (("spin-20000", "spin"), ("PASSIVE", "passive"))}
+    lines += wait_policy_section(load(os.path.join(ns.results, "wait_policy.json")),
+                                 {k: v for k, v in served_policies.items() if v is not None})
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")

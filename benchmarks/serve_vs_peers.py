@@ -374,20 +374,26 @@ def phaselab_dtype_desc(asked: str, ready: str) -> str:
     return out
 
 
+def wait_policy_desc(policy: str) -> str:
+    if policy == "auto":
+        return "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=20000 (--omp-wait-policy auto)"
+    return f"OMP_WAIT_POLICY={policy}"
+
+
 class PhaselabServer(Server):
     def __init__(self, port: int, dtype: str, threads: int, kv_cache: str, run_dir: str,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, wait_policy: str = "auto") -> None:
         super().__init__(key="phaselab", kind="phaselab", port=port)
         self.proc: subprocess.Popen[bytes] | None = None
         self.args = [sys.executable, "-m", "phaselab", "serve", "--host", "127.0.0.1", "--port", str(port),
-                     "--dtype", dtype, "--num-threads", str(threads), "--omp-wait-policy", "PASSIVE",
+                     "--dtype", dtype, "--num-threads", str(threads), "--omp-wait-policy", wait_policy,
                      "--kv-cache-memory", kv_cache, "--log-level", "info", *(extra_args or [])]
         self.log_path: str = os.path.join(run_dir, "phaselab-server.log")
         self.settings = {
             "command": " ".join(["phaselab", *self.args[3:]]),
             "model": "bundled SmolLM2-135M-Instruct.Q4_1.gguf (linear weights as `engine_ready` says: "
                      "--weights auto keeps the Q4_1 blocks for the native kernel)",
-            "dtype": dtype, "threads": threads, "OMP_WAIT_POLICY": "PASSIVE", "kv_cache_memory": kv_cache,
+            "dtype": dtype, "threads": threads, "OMP_WAIT_POLICY": wait_policy_desc(wait_policy), "kv_cache_memory": kv_cache,
             "policy": "chunked (default)", "max_num_batched_tokens": "2048 (default)",
             "max_num_seqs": "128 (default)", "prefix_caching": "on (default)",
         }
@@ -896,7 +902,8 @@ def build_servers(ns: argparse.Namespace) -> list[Server]:
     for kind in ns.servers:
         if kind == "phaselab":
             out.append(PhaselabServer(ns.phaselab_port, ns.phaselab_dtype, ns.phaselab_threads,
-                                      ns.kv_cache_gib_str, ns.raw_dir, ns.phaselab_args.split()))
+                                      ns.kv_cache_gib_str, ns.raw_dir, ns.phaselab_args.split(),
+                                      ns.phaselab_omp_wait_policy))
         elif kind == "vllm":
             env = {"VLLM_CPU_KVCACHE_SPACE": str(ns.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": ns.vllm_threads_bind,
                    "DTYPE": "bfloat16", "ENFORCE_EAGER": "1" if ns.vllm_eager else "0",
@@ -1045,6 +1052,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--llamacpp-threads", type=int, default=2)
     ap.add_argument("--phaselab-dtype", default="bfloat16")
     ap.add_argument("--phaselab-threads", type=int, default=2)
+    ap.add_argument("--phaselab-omp-wait-policy", default="auto", choices=["auto", "PASSIVE", "ACTIVE", "default"],
+                    help="phaselab serve's --omp-wait-policy (default auto: PASSIVE with a bounded spin)")
     ap.add_argument("--phaselab-args", default="", help="extra `phaselab serve` arguments")
     ap.add_argument("--vllm-threads-bind", default="auto",
                     help="VLLM_CPU_OMP_THREADS_BIND (auto: vLLM's default, one OpenMP thread on 2 cores)")
@@ -1150,7 +1159,8 @@ def main(argv: list[str] | None = None) -> int:
                          "date": datetime.datetime.now().isoformat(timespec="seconds"), "workloads": {}}
             entry["version"] = server_version(s, versions)
             if s.kind == "phaselab":
-                entry["settings"]["threads_desc"] = (f"--num-threads {ns.phaselab_threads}, OMP_WAIT_POLICY=PASSIVE "
+                entry["settings"]["threads_desc"] = (f"--num-threads {ns.phaselab_threads}, "
+                                                     f"{wait_policy_desc(ns.phaselab_omp_wait_policy)} "
                                                      "(one process: HTTP event loop + engine thread)")
             entry["quick"] = ns.quick
             doc["servers"][s.key] = entry

@@ -1,8 +1,17 @@
 """`phaselab` command line. Every engine option is generated from EngineArgs' help text.
 
-Torch is imported only after the thread settings are fixed: OpenMP reads OMP_WAIT_POLICY when
-it starts, and on a 2-core machine its default spin-waiting collapses as soon as a second busy
-process shares the cores (one decode step: 2.4 s spinning vs 0.14 s PASSIVE, measured here).
+Torch is imported only after the thread settings are fixed: OpenMP reads OMP_WAIT_POLICY and
+GOMP_SPINCOUNT when it starts. On a 2-core machine its default spin-waiting collapses as soon as a
+second busy process shares the cores (one decode step: 2.4 s spinning vs 0.14 s PASSIVE, measured
+here), while pure PASSIVE puts the threads to sleep between the ~120 kernel calls of one decode
+step, and waking an idle (virtual) core costs more than the call: a batch-1 decode step of the
+bundled model measured 24-32 ms PASSIVE and 10.5-11 ms with a bounded spin (GOMP_SPINCOUNT=20000:
+threads spin that many pause loops after a parallel region, then sleep). But a spinning thread
+holds a core that another busy thread needs: two bounded-spinning processes on 2 cores took 210 ms
+a step, and `serve` (an HTTP event loop beside the engine, a client streaming from it) served
+fewer tokens/s spinning than PASSIVE at concurrency 1 and 8 (benchmarks/wait_policy.py). Hence
+`auto`: `generate` in colocated mode, an engine alone on the cores, spins briefly; `serve` and
+disaggregated workers stay PASSIVE without spin.
 """
 
 from __future__ import annotations
@@ -15,7 +24,7 @@ import time
 from typing import Any
 
 from phaselab.cliargs import add_fields, field_values
-from phaselab.config import EngineArgs
+from phaselab.config import SPIN_COUNT, EngineArgs
 
 SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer takes longer than the next ones."
 
@@ -23,8 +32,12 @@ SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer t
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     add_fields(g, EngineArgs)  # types, defaults, choices and help from EngineArgs' fields
-    g.add_argument("--omp-wait-policy", default="PASSIVE", choices=["PASSIVE", "ACTIVE", "default"],
-                   help="OpenMP wait policy of this process (default: PASSIVE; 'default' leaves OpenMP's own)")
+    g.add_argument("--omp-wait-policy", default="auto", choices=["auto", "PASSIVE", "ACTIVE", "default"],
+                   help="OpenMP wait policy of this process. auto (default): PASSIVE, and for `generate` with a "
+                        f"colocated engine, alone on the cores, a bounded spin (GOMP_SPINCOUNT={SPIN_COUNT} unless "
+                        "set); `serve` (HTTP event loop and clients beside the engine) and disaggregated workers "
+                        "do not spin. 'default' leaves OpenMP's own (unbounded spin: collapses when another busy "
+                        "process shares the cores)")
 
 
 def _add_disagg_args(p: argparse.ArgumentParser) -> None:
@@ -67,8 +80,14 @@ def _engine_args(ns: argparse.Namespace) -> EngineArgs:
     return EngineArgs(**field_values(ns, EngineArgs))
 
 
-def _set_threads(ns: argparse.Namespace) -> None:
-    if ns.omp_wait_policy != "default":
+def _set_threads(ns: argparse.Namespace, alone: bool = False) -> None:
+    """OpenMP's settings before torch loads (module docstring). `alone`: this process's engine is
+    the only busy thread on the machine (generate), so `auto` lets its threads spin briefly."""
+    if ns.omp_wait_policy == "auto":
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        if alone and getattr(ns, "mode", "colocated") != "disagg":  # disagg: this process only routes
+            os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+    elif ns.omp_wait_policy != "default":
         os.environ["OMP_WAIT_POLICY"] = ns.omp_wait_policy
     if ns.num_threads:
         os.environ["OMP_NUM_THREADS"] = str(ns.num_threads)
@@ -151,7 +170,7 @@ def _prompt_ids(tok, ns: argparse.Namespace) -> list[int]:  # type: ignore[no-un
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     """`generate`: one prompt through an engine of either mode (make_engine), streamed to stdout."""
-    _set_threads(ns)
+    _set_threads(ns, alone=True)
     from phaselab.config import runtime_settings
     from phaselab.serving_engine import make_engine
 

@@ -109,6 +109,11 @@ def tune_allocator() -> bool:
     return _ALLOCATOR_TUNED
 
 
+# GOMP_SPINCOUNT of a process whose engine has the cores to itself: pause loops an OpenMP thread
+# spins after a parallel region before it sleeps (cli.py's docstring; benchmarks/wait_policy.py)
+SPIN_COUNT = "20000"
+
+
 def runtime_settings() -> dict[str, str | int | bool | None]:
     """Thread settings that decide speed on a small shared machine; recorded with every run."""
     import torch
@@ -116,6 +121,7 @@ def runtime_settings() -> dict[str, str | int | bool | None]:
     return {
         "torch_num_threads": torch.get_num_threads(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "malloc_tuned": bool(_ALLOCATOR_TUNED),
     }

@@ -3,6 +3,9 @@
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No spin: the suite runs servers, workers and itself at once on 2 cores, where spinning threads of
+# one process take the cores from another's (cli.py); the servers it starts inherit this.
+os.environ.setdefault("GOMP_SPINCOUNT", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

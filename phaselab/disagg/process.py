@@ -21,7 +21,8 @@ def worker_env(num_threads: int, name: str = "") -> dict[str, str]:
     root = os.path.dirname(os.path.dirname(os.path.abspath(phaselab.__file__)))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     n = str(num_threads)
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": "PASSIVE",
+    # PASSIVE and no spin (GOMP_SPINCOUNT overrides the policy): the workers share the cores (cli.py)
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",
             "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, "PHASELAB_WORKER": name}
 
 

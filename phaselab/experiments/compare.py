@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from phaselab.analysis import fmt
+from phaselab.config import SPIN_COUNT
 from phaselab.analysis.diagnose import Diagnosis, diagnose, write_diagnosis
 from phaselab.workload.driver import interference_arrivals, run_arrivals, sweep_arrivals
 from phaselab.workload.interference import InterferenceParams
@@ -273,6 +274,9 @@ def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, s
     """Run every configuration and write the report. Returns what was written."""
     t_start = time.monotonic()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (docs: threads on a small machine)
+    # the colocated engines run here one at a time, alone on the cores: a bounded spin between
+    # kernel calls (cli.py); the disaggregated workers get none (disagg/process.py's worker_env)
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
