@@ -489,8 +489,9 @@ def wait_policy_section(r: dict | None, served: dict[str, dict] | None = None) -
     out.append("")
     if served:
         first = next(iter(served.values()))
-        out += ["Served (`benchmarks/serve_vs_peers.py --servers phaselab --phaselab-dtype auto "
-                "--phaselab-omp-wait-policy P`, one run each, back to back, "
+        out += ["Served (`[GOMP_SPINCOUNT=20000] python benchmarks/serve_vs_peers.py --servers phaselab "
+                "--phaselab-dtype auto --phaselab-omp-wait-policy PASSIVE`, one run each, back to back (the spinning "
+                "run was made while `auto` still spun in `serve`, which these runs led to stop), "
                 f"{first['servers']['phaselab']['date']} onwards; the same client and workloads as the served "
                 "section): output tok/s | TTFT p50 ms | ITL p50 ms. Beside the engine, `serve` runs its HTTP event "
                 "loop and the client streams from the same 2 cores: there the spinning thread holds a core they need.",

@@ -375,9 +375,11 @@ def phaselab_dtype_desc(asked: str, ready: str) -> str:
 
 
 def wait_policy_desc(policy: str) -> str:
-    if policy == "auto":
-        return "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=20000 (--omp-wait-policy auto)"
-    return f"OMP_WAIT_POLICY={policy}"
+    """The server's OpenMP settings: its --omp-wait-policy, and a GOMP_SPINCOUNT it inherits from
+    this process's environment (`auto` sets none for `serve`: phaselab/cli.py)."""
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    out = "OMP_WAIT_POLICY=PASSIVE (--omp-wait-policy auto)" if policy == "auto" else f"OMP_WAIT_POLICY={policy}"
+    return out + (f", GOMP_SPINCOUNT={spin} (inherited)" if spin is not None else "")
 
 
 class PhaselabServer(Server):
@@ -1053,7 +1055,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--phaselab-dtype", default="bfloat16")
     ap.add_argument("--phaselab-threads", type=int, default=2)
     ap.add_argument("--phaselab-omp-wait-policy", default="auto", choices=["auto", "PASSIVE", "ACTIVE", "default"],
-                    help="phaselab serve's --omp-wait-policy (default auto: PASSIVE with a bounded spin)")
+                    help="phaselab serve's --omp-wait-policy (default auto: PASSIVE, no spin for serve; a "
+                         "GOMP_SPINCOUNT in this environment is inherited)")
     ap.add_argument("--phaselab-args", default="", help="extra `phaselab serve` arguments")
     ap.add_argument("--vllm-threads-bind", default="auto",
                     help="VLLM_CPU_OMP_THREADS_BIND (auto: vLLM's default, one OpenMP thread on 2 cores)")

@@ -9,8 +9,8 @@ Workloads (the offline engine driven with arrival timing, phaselab.workload.driv
                 (512-1024), 32-96 output tokens, EOS ignored
 Configurations: prefill-first; chunked at fixed budgets (--budgets, a sweep); adaptive (--slo-tbt-ms)
 at two targets, told the TTFT target too (--ttft-slo-s as --slo-ttft-ms: shortest prompt first until a
-request has waited half of it); and, at the first --fcfs-adaptive targets, adaptive in FCFS order. The targets, unless given, are 6x and 12x the median decode-only iteration of the
-interference streams measured first on this machine (a CPU's speed differs from run to run). They
+request has waited half of it); and, at the first --fcfs-adaptive targets, adaptive in FCFS order.
+The targets, unless given, are 6x and 12x the median decode-only iteration of the interference streams measured first on this machine (a CPU's speed differs from run to run). They
 must be targets some fixed budget can hold, or the acceptance has nothing to match: at 2x and 4x
 (44 and 88 ms on an AMD EPYC whose step was 22 ms) none did, every fixed ITL p99 was >= 150 ms
 (7x), since a mixed iteration of even 64 prefill tokens leaves the one-row kernel for the batched

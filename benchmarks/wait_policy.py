@@ -32,8 +32,11 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+from phaselab.config import SPIN_COUNT  # noqa: E402  (no torch: the children load it)
+
 POLICIES = {"PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
-            "spin-20000": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "20000"}}
+            f"spin-{SPIN_COUNT}": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SPIN_COUNT}}
 
 
 def log(msg: str) -> None:
@@ -44,7 +47,6 @@ def child(batches: list[int], output_len: int) -> dict[str, Any]:
     """One engine in this process: median decode-only iteration per batch, and CPU s per step."""
     import numpy as np
 
-    sys.path.insert(0, ROOT)
     from phaselab.config import EngineArgs
     from phaselab.serving_engine import make_engine
     from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
@@ -92,7 +94,6 @@ def main() -> int:
     if ns.child:
         print(json.dumps(child(ns.batches, ns.output_len)))
         return 0
-    sys.path.insert(0, ROOT)
     from phaselab.engine.ceilings import cpu_identity
 
     report: dict[str, Any] = {"cpu": cpu_identity(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),

@@ -206,5 +206,6 @@ def test_the_simulator_orders_prefills_by_the_ttft_target():
         rid = f"short-{k}"
         assert fcfs[rid].first_token_sampled_ns > long_first["fcfs"]  # behind every chunk of the long prompt
         assert ordered[rid].first_token_sampled_ns < long_first["ordered"]  # passed it
+        # simulated seconds (the cost model's clock, deterministic), not the wall clock
         assert ordered[rid].ttft_s < fcfs[rid].ttft_s / 2
     assert ordered["long"].num_output_tokens == fcfs["long"].num_output_tokens == 4

@@ -281,12 +281,12 @@ class Scheduler:
         def rank(r: Request, position: int | None = None) -> tuple[int, float, float]:
             return prefill_rank(r.arrival_time, r.num_tokens_to_compute, now, ttft_s, position)
 
-        ranked = sorted(enumerate(self.waiting), key=lambda ir: rank(
-            ir[1], ir[0] if ir[1].status == RequestStatus.PREEMPTED else None))
-        self.waiting = deque(r for _, r in ranked)
+        ranked = sorted(((rank(r, i if r.status == RequestStatus.PREEMPTED else None), i, r)
+                         for i, r in enumerate(self.waiting)), key=lambda kir: kir[:2])
+        self.waiting = deque(r for _, _, r in ranked)
         if cfg.policy != "chunked" or len(self.running) >= cfg.max_num_seqs:
             return set()  # no seat: the head waits whatever the running prefills do
-        head = rank(self.waiting[0], 0 if self.waiting[0].status == RequestStatus.PREEMPTED else None)
+        head = ranked[0][0]
         return {r.request_id for r in self.running if r.is_prefill and head < rank(r)}
 
     def _choose_budget(self) -> BudgetDecision:

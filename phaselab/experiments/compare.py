@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from phaselab.analysis import fmt
-from phaselab.config import SPIN_COUNT
 from phaselab.analysis.diagnose import Diagnosis, diagnose, write_diagnosis
+from phaselab.config import SPIN_COUNT
 from phaselab.workload.driver import interference_arrivals, run_arrivals, sweep_arrivals
 from phaselab.workload.interference import InterferenceParams
 
