@@ -14,14 +14,16 @@
  * Query head h attends with KV head h / (H / KVH), as Hugging Face's repeat_kv pairs them.
  * Scores, softmax and the weighted sum are computed in float32 whatever the cache dtype.
  *
- * Work is split over (request, KV head) pairs with OpenMP; the process's OpenMP runtime (the one
- * torch loaded: same SONAME) runs it, so the thread count and wait policy are torch's.
+ * Work is split over (request, KV head) pairs, run by phaselab's thread pool (pool.c, set with
+ * paged_decode_set_pool) or, without it, by the process's OpenMP runtime (the one torch loaded:
+ * same SONAME); the thread count is OpenMP's either way.
  * Built by phaselab/model/kernels/__init__.py (-O3 -march=native -ffast-math -fopenmp).
  * Returns 0 on success, 1 for unsupported shapes, 2 when scratch memory cannot be allocated.
  */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,6 +116,55 @@ static void attend_any(ATTEND_ARGS) {
     if (bf16) ATTEND_CALL(1, D); else ATTEND_CALL(0, D);
 }
 
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
+/* set by paged_decode_set_pool (pool.c's phaselab_pool_run); NULL: OpenMP's team */
+static pool_run_fn g_pool_run = NULL;
+void paged_decode_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int bf16;
+    const int64_t *tables;
+    int64_t max_blocks;
+    const int64_t *lens;
+    float *out;
+    int64_t H, KVH, D, BS, G, nh, per_request;
+    float scale;
+    attend_fn attend;
+    int64_t score_len; /* scratch floats for scores: nh * G * the longest context */
+    atomic_int failed;
+} pd_job;
+
+/* each thread's scratch, grown on demand and kept (no allocation per call once warm) */
+static _Thread_local float *tl_buf = NULL;
+static _Thread_local size_t tl_len = 0;
+
+static float *scratch(size_t n) {
+    if (n > tl_len) {
+        float *b = realloc(tl_buf, n * sizeof(float));
+        if (!b) return NULL;
+        tl_buf = b;
+        tl_len = n;
+    }
+    return tl_buf;
+}
+
+static void pd_item(void *ctx, int64_t item) {
+    pd_job *j = (pd_job *)ctx;
+    const int64_t per_head = j->nh * j->G * j->D;
+    float *buf = scratch((size_t)(j->score_len + 2 * per_head));
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    const int64_t b = item / j->per_request, h0 = (item % j->per_request) * j->nh;
+    j->attend(j->q + (b * j->H + h0 * j->G) * j->D, j->k, j->v, j->bf16, j->tables + b * j->max_blocks, j->lens[b],
+              h0, j->nh, j->G, j->KVH, j->D, j->BS, j->scale, buf, buf + j->score_len, buf + j->score_len + per_head,
+              j->out + (b * j->H + h0 * j->G) * j->D);
+}
+
 int paged_decode(const float *q, const void *k, const void *v, int bf16, const int64_t *tables,
                  int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
                  int64_t D, int64_t BS, float scale) {
@@ -128,31 +179,16 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
     /* one work item per request (all KV heads: one pass over its context) when there are enough
      * requests to keep every thread busy, else one per (request, KV head) */
     const int64_t nh = B >= 2 * (int64_t)omp_get_max_threads() ? KVH : 1;
-    const int64_t per_request = KVH / nh;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(nh * G * max_len));
-        float *acc = malloc(sizeof(float) * (size_t)(nh * G * D));
-        float *qg = malloc(sizeof(float) * (size_t)(nh * G * D));
-        const int ok = scores && acc && qg;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* every thread reaches the worksharing loop; one without scratch skips its items */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * per_request; item++) {
-            if (!ok) continue;
-            const int64_t b = item / per_request, h0 = (item % per_request) * nh;
-            attend(q + (b * H + h0 * G) * D, k, v, bf16, tables + b * max_blocks, lens[b], h0, nh, G, KVH, D,
-                   BS, scale, scores, acc, qg, out + (b * H + h0 * G) * D);
-        }
-        free(scores);
-        free(acc);
-        free(qg);
+    pd_job j = {q, k, v, bf16, tables, max_blocks, lens, out, H, KVH, D, BS, G, nh, KVH / nh, scale, attend,
+                nh * G * max_len, 0};
+    const int64_t items = B * j.per_request;
+    if (g_pool_run) {
+        g_pool_run(pd_item, &j, items);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) pd_item(&j, item);
     }
-    return failed ? 2 : 0;
+    return atomic_load(&j.failed) ? 2 : 0;
 }
 
-int phaselab_kernel_abi(void) { return 1; }
+int phaselab_kernel_abi(void) { return 2; }
