@@ -49,7 +49,7 @@ DEFAULT_SPIN_US = 200
 # changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
-_ABI = 2
+_ABI = 3
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -126,6 +126,10 @@ def _load() -> ctypes.CDLL | None:
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                                   ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float]
+            vp, i64 = ctypes.c_void_p, ctypes.c_int64
+            g = lib.decode_rope_attend
+            g.restype = ctypes.c_int
+            g.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [ctypes.c_float]
             lib.paged_decode_set_pool.argtypes = [ctypes.c_void_p]
             lib.paged_decode_set_pool(pool_address())
             _lib = lib
@@ -241,4 +245,39 @@ def paged_decode(
     )
     if rc != 0:
         raise RuntimeError(f"paged_decode kernel failed (code {rc}: 1 = unsupported shape, 2 = out of memory)")
+    return out
+
+
+def decode_rope_attend(
+    qkv: torch.Tensor,  # (B, (H + 2*KVH) * D) bfloat16: the fused projection's output, rows contiguous
+    cos: torch.Tensor,  # (B, D) bfloat16: each row's position (RotaryEmbedding's tables, cast)
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,  # (2, num_blocks, BS, KVH, D) bfloat16: this layer's cache
+    slot_mapping: torch.Tensor,  # (B,) int64
+    block_tables: torch.Tensor,  # (B, max_blocks) int64
+    seq_lens: torch.Tensor,  # (B,) int64: tokens each row attends to, its own included
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """A decode-only batch's RoPE, K/V write and paged attention in one call: (B, H*D) bfloat16.
+
+    Bit-identical to apply_rope + write_kv + paged_decode + the cast to bf16 (paged_decode.c says
+    where each rounding happens; tests/test_attention_fused.py compares them). The runner checks
+    the dtypes and layout once per step (`AttentionMetadata.fused_decode`), so nothing is checked
+    here beyond what the C side refuses.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"paged_decode kernel unavailable: {_reason}")
+    B = qkv.shape[0]
+    _, _, BS, KVH, D = kv_cache.shape
+    out = torch.empty((B, num_heads * D), dtype=torch.bfloat16)
+    kc, vc = kv_cache[0], kv_cache[1]
+    rc = lib.decode_rope_attend(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+        slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
+        B, num_heads, KVH, D, BS, scale,
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode_rope_attend failed (code {rc}: 1 = unsupported shape, 2 = out of memory)")
     return out

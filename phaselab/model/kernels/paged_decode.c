@@ -191,4 +191,76 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
     return atomic_load(&j.failed) ? 2 : 0;
 }
 
-int phaselab_kernel_abi(void) { return 2; }
+/* -- a decode-only batch's attention glue in one call (bf16 activations and cache) ---------------
+ *
+ * What the torch path runs between the fused qkv projection and o_proj, per layer: RoPE on the q
+ * and k heads (bf16 elementwise ops), the K/V write into the cache slots, the widening of q to
+ * float32, the kernel above, and the narrowing of its output to bf16: about 25 small torch ops
+ * per layer, most of a batch-1 step's time outside the matmuls. Here the same arithmetic runs in
+ * one call, rounded exactly where torch rounds, so the result is bit-identical:
+ *   RoPE   y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), each product of two bf16 values
+ *          exact in float32 (as torch computes a bf16 op: widen, compute in float32, round to
+ *          nearest even), cos/sin the caller's bf16 tables of each row's position
+ *   cache  the rotated k and the v rows of every request written to its slot, before any reads
+ *   out    float32 attention rounded to bf16 (nearest even), (B, H*D)
+ * qkv rows are [q heads | k heads | v heads], `stride` elements apart. Returns like paged_decode. */
+
+static inline float bf16f(uint16_t h) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
+    return c.f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((c.u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
+}
+
+/* one head's RoPE; rotate_half(x) = [-x2, x1]; the halves in separate loops so they vectorize */
+static inline float rope_one(uint16_t x, uint16_t xr_bits, int neg, uint16_t c, uint16_t s) {
+    const float xr = neg ? -bf16f(xr_bits) : bf16f(xr_bits);
+    return bf16f(f32_bf16(bf16f(f32_bf16(bf16f(x) * bf16f(c))) + bf16f(f32_bf16(xr * bf16f(s)))));
+}
+
+static void rope_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t D, float *qd, uint16_t *kd) {
+    const int64_t half = D / 2;
+    if (qd) {
+        for (int64_t d = 0; d < half; d++) qd[d] = rope_one(x[d], x[d + half], 1, c[d], s[d]);
+        for (int64_t d = half; d < D; d++) qd[d] = rope_one(x[d], x[d - half], 0, c[d], s[d]);
+    } else {
+        for (int64_t d = 0; d < half; d++) kd[d] = f32_bf16(rope_one(x[d], x[d + half], 1, c[d], s[d]));
+        for (int64_t d = half; d < D; d++) kd[d] = f32_bf16(rope_one(x[d], x[d - half], 0, c[d], s[d]));
+    }
+}
+
+static _Thread_local float *tl_io = NULL; /* the caller's float32 q and output, grown on demand */
+static _Thread_local size_t tl_io_len = 0;
+
+int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
+                       uint16_t *vc, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                       const int64_t *lens, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                       float scale) {
+    if (KVH <= 0 || H % KVH != 0 || D <= 0 || D % 2 != 0 || D > MAX_HEAD_DIM || BS <= 0 || B <= 0) return 1;
+    if (stride < (H + 2 * KVH) * D) return 1;
+    const size_t need = (size_t)(2 * B * H * D);
+    if (need > tl_io_len) {
+        float *b = realloc(tl_io, need * sizeof(float));
+        if (!b) return 2;
+        tl_io = b;
+        tl_io_len = need;
+    }
+    float *qf = tl_io, *of = tl_io + B * H * D;
+    for (int64_t b = 0; b < B; b++) {
+        const uint16_t *row = qkv + b * stride, *c = cos + b * D, *sn = sin + b * D;
+        const int64_t slot = slots[b];
+        for (int64_t h = 0; h < H; h++) rope_row(row + h * D, c, sn, D, qf + (b * H + h) * D, NULL);
+        for (int64_t h = 0; h < KVH; h++) rope_row(row + (H + h) * D, c, sn, D, NULL, kc + (slot * KVH + h) * D);
+        memcpy(vc + slot * KVH * D, row + (H + KVH) * D, sizeof(uint16_t) * (size_t)(KVH * D));
+    }
+    const int rc = paged_decode(qf, kc, vc, 1, tables, max_blocks, lens, of, B, H, KVH, D, BS, scale);
+    if (rc != 0) return rc;
+    for (int64_t i = 0; i < B * H * D; i++) out[i] = f32_bf16(of[i]);
+    return 0;
+}
+
+int phaselab_kernel_abi(void) { return 3; }
