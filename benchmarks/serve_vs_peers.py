@@ -381,6 +381,8 @@ def wait_policy_desc(policy: str) -> str:
     spin = os.environ.get("GOMP_SPINCOUNT")
     out = "OMP_WAIT_POLICY=PASSIVE (--omp-wait-policy auto)" if policy == "auto" else f"OMP_WAIT_POLICY={policy}"
     out += f", GOMP_SPINCOUNT={spin} (inherited)" if spin is not None else ""
+    if os.environ.get("PHASELAB_FUSED_DECODE", "1") == "0":
+        out += "; decode RoPE/KV write/attention as separate torch ops (PHASELAB_FUSED_DECODE=0)"
     if os.environ.get("PHASELAB_POOL", "1") == "0":
         return out + "; kernels on OpenMP's team (PHASELAB_POOL=0)"
     return out + f"; kernels on phaselab's pool (workers spin {os.environ.get('PHASELAB_POOL_SPIN_US', '200')} us, then sleep)"
