@@ -210,7 +210,7 @@ def validation_section(val: dict | None) -> list[str]:
     return out + [""]
 
 
-def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
+def linear_section(lin: dict | None, *profs: dict | None) -> list[str]:
     """Issue 18: linear paths (benchmarks/linear.py) and decode-step shares (benchmarks/step_profile.py)."""
     if not lin:
         return ["## Linear paths (issue 18)", "", "Run `python benchmarks/linear.py`.", ""]
@@ -261,9 +261,16 @@ def linear_section(lin: dict | None, prof: dict | None) -> list[str]:
                            f"{v['ms_per_step_median'].get(b, 0):.1f} ({fmt(v.get('cpu_ms_per_step_median', {}).get(b))})"
                            for b in batches) + f" | {fmt(v['load_avg_mean'], 1)} |")
         out.append("")
-    if prof:
-        out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares", "",
-                "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
+    for prof in profs:
+        if not prof:
+            continue
+        how = ""
+        if "kernel_threads" in prof:
+            how = (f" Run {prof['started']}; kernels on {prof['kernel_threads'].split(' (')[0]}, decode RoPE/KV "
+                   f"write/attention {'fused into one call' if prof['fused_decode'] else 'as separate torch ops'}"
+                   " (the attention column counts the separate ops only: fused, they fall under model other).")
+        out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares." + how,
+                "", "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for cfg, runs in prof.get("profiles", {}).items():
             for r in runs:
@@ -409,6 +416,57 @@ SERVED_OTHER_MACHINES = [
 ]
 
 
+# issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
+# phaselab before the change right after that), all on the machine at hand, one server at a time
+ISSUE18_SERVED_RUNS = [
+    ("2026-12-02 evening: the kernel pool and the fused decode path", "serve_vs_peers_epyc_fused",
+     "serve_vs_peers_epyc_fused_vllm_2threads", "serve_vs_peers_epyc_fused_before",
+     "PHASELAB_POOL=0 PHASELAB_FUSED_DECODE=0"),
+    ("2026-12-02 late afternoon: the kernel pool alone", "serve_vs_peers_epyc_pool",
+     "serve_vs_peers_epyc_pool_vllm_2threads", "serve_vs_peers_epyc_pool_team", "PHASELAB_POOL=0"),
+]
+
+
+def issue18_served_section(results: str) -> list[str]:
+    """Issue 18's served table: phaselab now and before, vLLM at 1 and 2 OpenMP threads, same session."""
+    out: list[str] = []
+    for when, main, vllm2, before, before_env in ISSUE18_SERVED_RUNS:
+        runs = [load(os.path.join(results, f + ".json")) for f in (main, vllm2, before)]
+        if any(r is None for r in runs):
+            continue
+        m, v2, b = runs
+        cpu = m.get("machine", {}).get("cpu_model") or m.get("machine", {}).get("cpu", "?")
+        cols = {"phaselab": m["servers"].get("phaselab"), f"phaselab before ({before_env})": b["servers"].get("phaselab"),
+                "vLLM 1 thread (default)": m["servers"].get("vllm"), "vLLM 2 threads": v2["servers"].get("vllm")}
+        if any(c is None for c in cols.values()):
+            continue
+        out += [f"### Issue 18's served table, {when}", "",
+                f"{cpu}. Three runs of `benchmarks/serve_vs_peers.py` back to back (`--servers phaselab vllm "
+                f"--phaselab-dtype auto`, then `--servers vllm --vllm-threads-bind 0-1`, then `{before_env} ... "
+                f"--servers phaselab`; outputs `{main}.json`, `{vllm2}.json`, `{before}.json`), one server at a "
+                "time, same client, workloads and seeds. Output tok/s, then ITL p50 / p99 ms; the last column is "
+                "phaselab's output tok/s over the better vLLM's (>= 1.00x is the issue's target).", "",
+                "| workload | " + " | ".join(cols) + " | phaselab / best vLLM |", "|---|" + "---|" * (len(cols) + 1)]
+        for w in cols["phaselab"]["workloads"]:
+            vals = [c["workloads"].get(w) for c in cols.values()]
+            if any(v is None for v in vals):
+                continue
+            cells = [f"{v['output_throughput']:.1f} ({v['median_itl_ms']:.1f} / {v['p99_itl_ms']:.0f})" for v in vals]
+            best = max(vals[2]["output_throughput"], vals[3]["output_throughput"])
+            out.append(f"| {w} | " + " | ".join(cells) + f" | {vals[0]['output_throughput'] / best:.2f}x |")
+        failed = [f"{k} ({v['error'].split(';')[0]})" for r in runs for k, v in r["servers"].items() if v.get("error")]
+        if failed:
+            out += ["", "Did not run: " + "; ".join(failed) + ". llama.cpp's figures are in the earlier runs below."]
+        c1 = [c["workloads"].get("random-c1") for c in cols.values()]
+        if all(c1):
+            best_itl = min(c1[2]["median_itl_ms"], c1[3]["median_itl_ms"])
+            out += ["", f"Concurrency-1 ITL p50: phaselab {c1[0]['median_itl_ms']:.1f} ms, before "
+                        f"{c1[1]['median_itl_ms']:.1f} ms, the better vLLM {best_itl:.1f} ms: "
+                        f"{c1[0]['median_itl_ms'] / best_itl:.2f}x (the issue's target: <= 0.6x)."]
+        out.append("")
+    return out
+
+
 def served_sections(results: str, served: str | None) -> list[str]:
     """One section per machine, named by its CPU (the machines change between runs; see DESIGN.md 7)."""
     out: list[str] = []
@@ -460,13 +518,14 @@ def plan_verify_section(r: dict | None) -> list[str]:
 
 
 def wait_policy_section(r: dict | None, served: dict[str, dict] | None = None) -> list[str]:
-    """OpenMP's wait policy and the decode step (benchmarks/wait_policy.py, issue 18)."""
+    """Threads between kernel calls: OpenMP's wait policy and the kernel pool (benchmarks/wait_policy.py, issue 18)."""
     if r is None:
         return []
     import statistics
 
     cpu = r["cpu"]
-    out = ["## OpenMP wait policy and the decode step (`benchmarks/wait_policy.py`, issue 18)", "",
+    out = ["## Threads between kernel calls: OpenMP's wait policy and the kernel pool (`benchmarks/wait_policy.py`, "
+           "issue 18)", "",
            f"{cpu.get('cpu_model')}; run {r['started']}, load average {r['loadavg_at_start']:.1f} at start, "
            f"{r.get('loadavg_at_end', 0):.1f} at end. The engine as served (`--dtype auto`), one process per "
            "configuration (OpenMP reads the variables when torch loads it); median decode-only iteration of "
@@ -489,12 +548,15 @@ def wait_policy_section(r: dict | None, served: dict[str, dict] | None = None) -
     out.append("")
     if served:
         first = next(iter(served.values()))
-        out += ["Served (`[GOMP_SPINCOUNT=20000] python benchmarks/serve_vs_peers.py --servers phaselab "
-                "--phaselab-dtype auto --phaselab-omp-wait-policy PASSIVE`, one run each, back to back (the spinning "
-                "run was made while `auto` still spun in `serve`, which these runs led to stop), "
-                f"{first['servers']['phaselab']['date']} onwards; the same client and workloads as the served "
-                "section): output tok/s | TTFT p50 ms | ITL p50 ms. Beside the engine, `serve` runs its HTTP event "
-                "loop and the client streams from the same 2 cores: there the spinning thread holds a core they need.",
+        dates = ", ".join(f"{k} {d['servers']['phaselab']['date']}" for k, d in served.items())
+        out += ["Served (`[GOMP_SPINCOUNT=20000] [PHASELAB_POOL=0] python benchmarks/serve_vs_peers.py --servers "
+                "phaselab --phaselab-dtype auto`, one run each: spin-20000 and PASSIVE back to back, before the pool "
+                "existed (the spinning run was made while `auto` still spun in `serve`, which these runs led to "
+                "stop); pool and pool+spin-20000 later (pool: the phaselab run of the late-afternoon issue-18 table); "
+                f"started {dates}; the same client and workloads as the served section; compare columns made close "
+                "in time): output tok/s | TTFT p50 ms | ITL p50 ms. Beside the engine, `serve` runs its HTTP event "
+                "loop and the client streams from the same 2 cores: there a spinning OpenMP thread holds a core "
+                "they need, and with the pool an OpenMP spin brought nothing.",
                 "", "| workload | " + " | ".join(served) + " |", "|---|" + "---|" * len(served)]
         for w in first["servers"]["phaselab"]["workloads"]:
             cells = []
@@ -525,6 +587,7 @@ def main() -> None:
     else:
         lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
     lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
+    lines += issue18_served_section(ns.results)
     lines += served_sections(ns.results, served)
     lines += served_fp32_section(load(os.path.join(ns.results, "serve_vs_peers_phaselab_fp32.json")),
                                  load(os.path.join(ns.results, "serve_vs_peers.json")))
@@ -534,13 +597,15 @@ def main() -> None:
     bat = load(os.path.join(ns.results, "linear_batched.json"))
     if lin is not None and bat is not None:
         lin["batched_run"] = {"configs": bat["batched"], "started": bat.get("started"), "cpu": bat.get("cpu")}
-    lines += linear_section(lin, load(os.path.join(ns.results, "step_profile.json")))
+    lines += linear_section(lin, *(load(os.path.join(ns.results, f)) for f in
+                                   ("step_profile.json", "step_profile_before.json", "step_profile_earlier.json")))
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))
     lines += plan_verify_section(load(os.path.join(ns.results, "plan_verify.json")))
     served_policies = {name: load(os.path.join(ns.results, f"wait_policy_served_{stem}.json"))
-                       for name, stem in (("spin-20000", "spin"), ("PASSIVE", "passive"))}
+                       for name, stem in (("spin-20000", "spin"), ("PASSIVE", "passive"), ("pool", "pool"),
+                                          ("pool+spin-20000", "pool_spin"))}
     lines += wait_policy_section(load(os.path.join(ns.results, "wait_policy.json")),
                                  {k: v for k, v in served_policies.items() if v is not None})
     with open(ns.out, "w") as f:

@@ -375,11 +375,17 @@ def phaselab_dtype_desc(asked: str, ready: str) -> str:
 
 
 def wait_policy_desc(policy: str) -> str:
-    """The server's OpenMP settings: its --omp-wait-policy, and a GOMP_SPINCOUNT it inherits from
-    this process's environment (`auto` sets none for `serve`: phaselab/cli.py)."""
+    """The server's thread settings: its --omp-wait-policy, a GOMP_SPINCOUNT it inherits from this
+    process's environment (`auto` sets none for `serve`: phaselab/cli.py), and which threads run
+    the native kernels (PHASELAB_POOL / PHASELAB_POOL_SPIN_US, inherited too)."""
     spin = os.environ.get("GOMP_SPINCOUNT")
     out = "OMP_WAIT_POLICY=PASSIVE (--omp-wait-policy auto)" if policy == "auto" else f"OMP_WAIT_POLICY={policy}"
-    return out + (f", GOMP_SPINCOUNT={spin} (inherited)" if spin is not None else "")
+    out += f", GOMP_SPINCOUNT={spin} (inherited)" if spin is not None else ""
+    if os.environ.get("PHASELAB_FUSED_DECODE", "1") == "0":
+        out += "; decode RoPE/KV write/attention as separate torch ops (PHASELAB_FUSED_DECODE=0)"
+    if os.environ.get("PHASELAB_POOL", "1") == "0":
+        return out + "; kernels on OpenMP's team (PHASELAB_POOL=0)"
+    return out + f"; kernels on phaselab's pool (workers spin {os.environ.get('PHASELAB_POOL_SPIN_US', '200')} us, then sleep)"
 
 
 class PhaselabServer(Server):

@@ -118,8 +118,12 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "step_profile.json"))
     args = ap.parse_args()
     steps = 6 if args.quick else 16
+    from phaselab.model import kernels
+
     result: dict[str, Any] = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                              "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "profiles": {}}
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "profiles": {},
+                              "kernel_threads": kernels.pool_description(),
+                              "fused_decode": os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0"}
     for cfg in args.configs:
         # DTYPE/PATH[+BATCHED]: PATH forced through PHASELAB_LINEAR ("auto": the start-up probe
         # decides, as `phaselab serve` does), BATCHED through PHASELAB_BATCHED (tile | resident)

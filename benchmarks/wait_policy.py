@@ -1,12 +1,19 @@
-"""OpenMP's wait policy and the decode step (issue 18): PASSIVE, a bounded spin, alone and two at once.
+"""Threads between kernel calls (issue 18): OpenMP's wait policy and the kernel pool, alone and two at once.
 
-A decode step of the bundled model calls ~120 small parallel kernels back to back. Between two
-of them OpenMP's worker threads wait; how they wait decides whether the next call starts at once:
+A decode step of the bundled model calls ~120 small native kernels back to back, with a few
+microseconds of Python between them. How the threads wait between two calls decides whether the
+next call starts at once:
 
-    PASSIVE      (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0) the threads sleep at once; each call
-                 wakes them again, and waking an idle (virtual) core costs more than a small call
-    spin-20000   (OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=20000: what `phaselab serve` runs by
-                 default, cli.py's `auto`) the threads spin 20000 pause loops, then sleep
+    PASSIVE           OpenMP's team (PHASELAB_POOL=0), OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0:
+                      the threads sleep at once; each call wakes them again, and waking an idle
+                      (virtual) core costs more than a small call
+    spin-20000        OpenMP's team, GOMP_SPINCOUNT=20000: the threads spin 20000 pause loops, then
+                      sleep; OpenMP's static split waits at its barrier for a descheduled thread
+    pool              phaselab's kernel pool (phaselab/model/kernels/pool.c, the default), OpenMP
+                      PASSIVE: workers spin 200 us after a call, yielding to other runnable threads,
+                      then sleep; chunks are claimed, so nobody waits for a descheduled worker
+    pool+spin-20000   the pool, and OpenMP's team (torch's own ops, the GEMMs above the kernel's
+                      row count) spinning too: what `generate` runs (cli.py's `auto`)
 
 Each configuration runs in its own process (OpenMP reads the variables when torch loads it): the
 engine (`--dtype auto`, as served) decodes --batches of 512-token prompts, and the median
@@ -16,7 +23,7 @@ side on the same cores, as two disaggregated workers do, where a spinning thread
 other process's thread needs. Rounds alternate the configurations (the machine's speed drifts).
 
 Writes benchmarks/results/wait_policy.json (--out), naming the CPU. Usage:
-`python benchmarks/wait_policy.py [--rounds 2] [--batches 1 4 16]`.
+`python benchmarks/wait_policy.py [--rounds 2] [--batches 1 4 16] [--policies pool PASSIVE]`.
 """
 
 from __future__ import annotations
@@ -35,8 +42,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 from phaselab.config import SPIN_COUNT  # noqa: E402  (no torch: the children load it)
 
-POLICIES = {"PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"},
-            f"spin-{SPIN_COUNT}": {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SPIN_COUNT}}
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
+POLICIES = {"PASSIVE": {**PASSIVE, "PHASELAB_POOL": "0"},
+            f"spin-{SPIN_COUNT}": {**PASSIVE, "GOMP_SPINCOUNT": SPIN_COUNT, "PHASELAB_POOL": "0"},
+            "pool": {**PASSIVE, "PHASELAB_POOL": "1"},
+            f"pool+spin-{SPIN_COUNT}": {**PASSIVE, "GOMP_SPINCOUNT": SPIN_COUNT, "PHASELAB_POOL": "1"}}
 
 
 def log(msg: str) -> None:
@@ -88,6 +98,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--output-len", type=int, default=48, help="decode steps per batch (default 48)")
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
+                    help="configurations to run (default: all)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "wait_policy.json"))
     ns = ap.parse_args()
@@ -99,7 +111,7 @@ def main() -> int:
     report: dict[str, Any] = {"cpu": cpu_identity(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                               "loadavg_at_start": os.getloadavg()[0], "batches": ns.batches,
                               "policies": POLICIES, "runs": []}
-    order = list(POLICIES)
+    order = ns.policies
     for k in range(ns.rounds):
         for policy in (order if k % 2 == 0 else order[::-1]):
             for together in (1, 2):

@@ -11,7 +11,11 @@ holds a core that another busy thread needs: two bounded-spinning processes on 2
 a step, and `serve` (an HTTP event loop beside the engine, a client streaming from it) served
 fewer tokens/s spinning than PASSIVE at concurrency 1 and 8 (benchmarks/wait_policy.py). Hence
 `auto`: `generate` in colocated mode, an engine alone on the cores, spins briefly; `serve` and
-disaggregated workers stay PASSIVE without spin.
+disaggregated workers stay PASSIVE without spin. The native decode kernels no longer depend on
+this: they run on phaselab's own pool (model/kernels/pool.c), whose workers spin briefly after a
+call, yielding to other runnable threads, then sleep, and never make a call wait for a
+descheduled worker; with it, an OpenMP spin brought `serve` nothing (one run each: c1 40 vs 51
+tok/s, c8 93 vs 100) and still made two spinning processes 2.5x slower at batch 16.
 """
 
 from __future__ import annotations

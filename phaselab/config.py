@@ -118,10 +118,13 @@ def runtime_settings() -> dict[str, str | int | bool | None]:
     """Thread settings that decide speed on a small shared machine; recorded with every run."""
     import torch
 
+    from phaselab.model import kernels
+
     return {
         "torch_num_threads": torch.get_num_threads(),
         "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "kernel_threads": kernels.pool_description(),
         "malloc_tuned": bool(_ALLOCATOR_TUNED),
     }

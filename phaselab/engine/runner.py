@@ -7,6 +7,7 @@ only attention separates them (see model/attention.py). The KV cache is allocate
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -43,6 +44,10 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None  # decode gather buffer (torch fallback), grown on demand
         # decodes read K/V in place through the native kernel when it builds here (model/kernels)
         self.native_decode = kernels.supports(dtype)
+        # a decode-only bf16 batch runs RoPE + K/V write + attention as one native call (bit-identical;
+        # PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
+        self.fused_decode = (self.native_decode and dtype == torch.bfloat16
+                             and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0")
 
     def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
         if self._workspace is None or self._workspace.shape[1] < num_blocks:
@@ -112,6 +117,7 @@ class ModelRunner:
             meta.decode_block_tables = tables
             meta.decode_seq_lens = lens
             meta.native_decode = self.native_decode
+            meta.fused_decode = self.fused_decode and not prefills
             if not self.native_decode:
                 meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
                 meta.decode_workspace = self._decode_workspace(len(decode_rows) * max_blocks)

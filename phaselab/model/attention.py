@@ -45,6 +45,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # (Bd, max_blocks) int64, padded with block 0
     decode_seq_lens: torch.Tensor | None = None  # (Bd,) int64: tokens each decode attends to
     native_decode: bool = False  # run decodes through the native kernel (no mask, no workspace)
+    # a decode-only batch in bf16 with the native kernel: RoPE, K/V write and attention in one call
+    # (kernels.decode_rope_attend, bit-identical to the separate ops)
+    fused_decode: bool = False
     # torch fallback only:
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
     # preallocated (2, >= Bd * max_blocks, block_size, kvh, hd) buffer the decode contexts are

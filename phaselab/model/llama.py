@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaselab.errors import UnsupportedModelError
+from phaselab.model import kernels
 from phaselab.model.attention import AttentionMetadata, paged_attention
 from phaselab.spec.config import ModelConfig
 
@@ -110,6 +111,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
+        if meta.fused_decode:
+            out = kernels.decode_rope_attend(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables,
+                                             meta.decode_seq_lens, self.num_heads, self.scale)
+            return self.o_proj(out)
         qk_size = self.q_size + self.kv_size
         # RoPE on q and k together: the heads are adjacent columns, so one pass of elementwise ops
         qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)

@@ -1,12 +1,19 @@
 """Native CPU kernels, compiled on first use with the machine's C compiler and loaded with ctypes.
 
-One kernel so far: paged decode attention (`paged_decode.c`), which reads each request's K/V in
-place through its block table instead of gathering the context into a buffer first.
+Kernels: paged decode attention (`paged_decode.c`), which reads each request's K/V in place
+through its block table instead of gathering the context into a buffer first, and the small-batch
+linear layers (`qlinear.c`, bound in `qlinear.py`). Both run their work on `pool.c`, a thread pool
+whose workers stay awake for a bounded time between calls (`PHASELAB_POOL_SPIN_US`, default
+200 us) and steal chunks, so a decode step's ~120 short calls neither pay OpenMP's wake-up under
+OMP_WAIT_POLICY=PASSIVE nor wait at a barrier for a thread the OS has descheduled.
+`PHASELAB_POOL=0` runs them on OpenMP's team instead (the measurement is in
+benchmarks/RESULTS.md, "Kernel thread pool").
 
 Why C through ctypes rather than a torch C++ extension: the file compiles in about a second with
 plain `cc` (a torch extension takes a minute of header parsing), needs no Python headers, and
-the library links the OpenMP runtime torch already loaded (`libgomp.so.1`, same SONAME), so its
-threads are torch's threads under the same `OMP_NUM_THREADS` / `OMP_WAIT_POLICY`.
+the library links the OpenMP runtime torch already loaded (`libgomp.so.1`, same SONAME), so the
+thread count is torch's (`omp_get_max_threads()`, which `torch.set_num_threads` sets) whether the
+pool or OpenMP's team runs the work.
 
 The build is cached under `$PHASELAB_CACHE_DIR` (default `~/.cache/phaselab`) in `kernels/`,
 keyed by the source's hash, the compiler and the CPU's flags; concurrent processes (disaggregated
@@ -32,17 +39,25 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
+POOL_SOURCE = Path(__file__).with_name("pool.c")
+POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
+SPIN_ENV = "PHASELAB_POOL_SPIN_US"
+DEFAULT_SPIN_US = 200
 # The parts of -ffast-math that let the compiler vectorize the reductions, spelled out: -ffast-math
 # itself (like -Ofast and -funsafe-math-optimizations) makes gcc link crtfastmath.o into the shared
 # object, whose constructor sets flush-to-zero / denormals-are-zero for the WHOLE process on load,
 # changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
-_ABI = 1
+_ABI = 3
+_POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
 _tried = False
 _reason: str | None = None
+_pool: ctypes.CDLL | None = None
+_pool_tried = False
+_pool_reason: str | None = None
 
 
 def cache_dir() -> Path:
@@ -111,12 +126,80 @@ def _load() -> ctypes.CDLL | None:
             f.restype = ctypes.c_int
             f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                                   ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float]
+            vp, i64 = ctypes.c_void_p, ctypes.c_int64
+            g = lib.decode_rope_attend
+            g.restype = ctypes.c_int
+            g.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [ctypes.c_float]
+            lib.paged_decode_set_pool.argtypes = [ctypes.c_void_p]
+            lib.paged_decode_set_pool(pool_address())
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = f"native kernels could not be built: {e}"
     if _lib is None:
         log.warning("phaselab: using the torch attention fallback (%s)", _reason)
     return _lib
+
+
+def _load_pool() -> ctypes.CDLL | None:
+    global _pool, _pool_tried, _pool_reason
+    if _pool_tried:
+        return _pool
+    _pool_tried = True
+    if os.environ.get(POOL_ENV, "1") == "0":
+        _pool_reason = f"turned off by {POOL_ENV}=0"
+        return None
+    cc = _compiler()
+    if cc is None:
+        _pool_reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
+        return None
+    try:
+        spin_us = int(os.environ.get(SPIN_ENV, DEFAULT_SPIN_US))
+    except ValueError:
+        raise ValueError(f"{SPIN_ENV} must be a whole number of microseconds, got {os.environ[SPIN_ENV]!r}") from None
+    try:
+        lib = ctypes.CDLL(str(_build(cc, POOL_SOURCE)))
+        if lib.phaselab_pool_abi() != _POOL_ABI:
+            raise RuntimeError("stale pool library (ABI mismatch); delete " + str(cache_dir()))
+        lib.phaselab_pool_set_spin_us.argtypes = [ctypes.c_int64]
+        lib.phaselab_pool_set_spin_us(spin_us)
+        lib.phaselab_pool_stats.argtypes = [ctypes.c_void_p]
+        _pool = lib
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        _pool_reason = f"the kernel thread pool could not be built: {e}"
+        log.warning("phaselab: kernels run on OpenMP's team (%s)", _pool_reason)
+    return _pool
+
+
+def pool_address() -> int | None:
+    """Address of `phaselab_pool_run` for the kernel libraries, or None: they use OpenMP's team."""
+    lib = _load_pool()
+    return None if lib is None else ctypes.cast(lib.phaselab_pool_run, ctypes.c_void_p).value
+
+
+def pool_description() -> str:
+    """One line for config.json and start-up logs: which threads run the kernels, and how they wait."""
+    lib = _load_pool()
+    if lib is None:
+        return f"OpenMP's team ({_pool_reason})"
+    spin = os.environ.get(SPIN_ENV, str(DEFAULT_SPIN_US))
+    return f"phaselab pool (workers spin {spin} us after a call, then sleep; {POOL_ENV}=0 for OpenMP's team)"
+
+
+def pool_stats() -> dict[str, int] | None:
+    """Counters of this process's pool (None without it): calls pooled / inline, chunks workers ran."""
+    lib = _load_pool()
+    if lib is None:
+        return None
+    buf = (ctypes.c_int64 * 5)()
+    lib.phaselab_pool_stats(buf)
+    return dict(zip(("calls_pooled", "calls_inline", "chunks_by_workers", "workers", "sleeping"), buf))
+
+
+def set_pool_spin_us(us: int) -> None:
+    """How long the pool's workers stay awake after a call (benchmarks sweep it; 0: sleep at once)."""
+    lib = _load_pool()
+    if lib is not None:
+        lib.phaselab_pool_set_spin_us(int(us))
 
 
 def available() -> bool:
@@ -162,4 +245,39 @@ def paged_decode(
     )
     if rc != 0:
         raise RuntimeError(f"paged_decode kernel failed (code {rc}: 1 = unsupported shape, 2 = out of memory)")
+    return out
+
+
+def decode_rope_attend(
+    qkv: torch.Tensor,  # (B, (H + 2*KVH) * D) bfloat16: the fused projection's output, rows contiguous
+    cos: torch.Tensor,  # (B, D) bfloat16: each row's position (RotaryEmbedding's tables, cast)
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,  # (2, num_blocks, BS, KVH, D) bfloat16: this layer's cache
+    slot_mapping: torch.Tensor,  # (B,) int64
+    block_tables: torch.Tensor,  # (B, max_blocks) int64
+    seq_lens: torch.Tensor,  # (B,) int64: tokens each row attends to, its own included
+    num_heads: int,
+    scale: float,
+) -> torch.Tensor:
+    """A decode-only batch's RoPE, K/V write and paged attention in one call: (B, H*D) bfloat16.
+
+    Bit-identical to apply_rope + write_kv + paged_decode + the cast to bf16 (paged_decode.c says
+    where each rounding happens; tests/test_attention_fused.py compares them). The runner checks
+    the dtypes and layout once per step (`AttentionMetadata.fused_decode`), so nothing is checked
+    here beyond what the C side refuses.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"paged_decode kernel unavailable: {_reason}")
+    B = qkv.shape[0]
+    _, _, BS, KVH, D = kv_cache.shape
+    out = torch.empty((B, num_heads * D), dtype=torch.bfloat16)
+    kc, vc = kv_cache[0], kv_cache[1]
+    rc = lib.decode_rope_attend(
+        qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+        slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
+        B, num_heads, KVH, D, BS, scale,
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode_rope_attend failed (code {rc}: 1 = unsupported shape, 2 = out of memory)")
     return out

@@ -14,14 +14,16 @@
  * Query head h attends with KV head h / (H / KVH), as Hugging Face's repeat_kv pairs them.
  * Scores, softmax and the weighted sum are computed in float32 whatever the cache dtype.
  *
- * Work is split over (request, KV head) pairs with OpenMP; the process's OpenMP runtime (the one
- * torch loaded: same SONAME) runs it, so the thread count and wait policy are torch's.
+ * Work is split over (request, KV head) pairs, run by phaselab's thread pool (pool.c, set with
+ * paged_decode_set_pool) or, without it, by the process's OpenMP runtime (the one torch loaded:
+ * same SONAME); the thread count is OpenMP's either way.
  * Built by phaselab/model/kernels/__init__.py (-O3 -march=native -ffast-math -fopenmp).
  * Returns 0 on success, 1 for unsupported shapes, 2 when scratch memory cannot be allocated.
  */
 #include <float.h>
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,6 +116,55 @@ static void attend_any(ATTEND_ARGS) {
     if (bf16) ATTEND_CALL(1, D); else ATTEND_CALL(0, D);
 }
 
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
+/* set by paged_decode_set_pool (pool.c's phaselab_pool_run); NULL: OpenMP's team */
+static pool_run_fn g_pool_run = NULL;
+void paged_decode_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    int bf16;
+    const int64_t *tables;
+    int64_t max_blocks;
+    const int64_t *lens;
+    float *out;
+    int64_t H, KVH, D, BS, G, nh, per_request;
+    float scale;
+    attend_fn attend;
+    int64_t score_len; /* scratch floats for scores: nh * G * the longest context */
+    atomic_int failed;
+} pd_job;
+
+/* each thread's scratch, grown on demand and kept (no allocation per call once warm) */
+static _Thread_local float *tl_buf = NULL;
+static _Thread_local size_t tl_len = 0;
+
+static float *scratch(size_t n) {
+    if (n > tl_len) {
+        float *b = realloc(tl_buf, n * sizeof(float));
+        if (!b) return NULL;
+        tl_buf = b;
+        tl_len = n;
+    }
+    return tl_buf;
+}
+
+static void pd_item(void *ctx, int64_t item) {
+    pd_job *j = (pd_job *)ctx;
+    const int64_t per_head = j->nh * j->G * j->D;
+    float *buf = scratch((size_t)(j->score_len + 2 * per_head));
+    if (!buf) {
+        atomic_store(&j->failed, 1);
+        return;
+    }
+    const int64_t b = item / j->per_request, h0 = (item % j->per_request) * j->nh;
+    j->attend(j->q + (b * j->H + h0 * j->G) * j->D, j->k, j->v, j->bf16, j->tables + b * j->max_blocks, j->lens[b],
+              h0, j->nh, j->G, j->KVH, j->D, j->BS, j->scale, buf, buf + j->score_len, buf + j->score_len + per_head,
+              j->out + (b * j->H + h0 * j->G) * j->D);
+}
+
 int paged_decode(const float *q, const void *k, const void *v, int bf16, const int64_t *tables,
                  int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
                  int64_t D, int64_t BS, float scale) {
@@ -128,31 +179,88 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
     /* one work item per request (all KV heads: one pass over its context) when there are enough
      * requests to keep every thread busy, else one per (request, KV head) */
     const int64_t nh = B >= 2 * (int64_t)omp_get_max_threads() ? KVH : 1;
-    const int64_t per_request = KVH / nh;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *scores = malloc(sizeof(float) * (size_t)(nh * G * max_len));
-        float *acc = malloc(sizeof(float) * (size_t)(nh * G * D));
-        float *qg = malloc(sizeof(float) * (size_t)(nh * G * D));
-        const int ok = scores && acc && qg;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        /* every thread reaches the worksharing loop; one without scratch skips its items */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < B * per_request; item++) {
-            if (!ok) continue;
-            const int64_t b = item / per_request, h0 = (item % per_request) * nh;
-            attend(q + (b * H + h0 * G) * D, k, v, bf16, tables + b * max_blocks, lens[b], h0, nh, G, KVH, D,
-                   BS, scale, scores, acc, qg, out + (b * H + h0 * G) * D);
-        }
-        free(scores);
-        free(acc);
-        free(qg);
+    pd_job j = {q, k, v, bf16, tables, max_blocks, lens, out, H, KVH, D, BS, G, nh, KVH / nh, scale, attend,
+                nh * G * max_len, 0};
+    const int64_t items = B * j.per_request;
+    if (g_pool_run) {
+        g_pool_run(pd_item, &j, items);
+    } else {
+#pragma omp parallel for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) pd_item(&j, item);
     }
-    return failed ? 2 : 0;
+    return atomic_load(&j.failed) ? 2 : 0;
 }
 
-int phaselab_kernel_abi(void) { return 1; }
+/* -- a decode-only batch's attention glue in one call (bf16 activations and cache) ---------------
+ *
+ * What the torch path runs between the fused qkv projection and o_proj, per layer: RoPE on the q
+ * and k heads (bf16 elementwise ops), the K/V write into the cache slots, the widening of q to
+ * float32, the kernel above, and the narrowing of its output to bf16: about 25 small torch ops
+ * per layer, most of a batch-1 step's time outside the matmuls. Here the same arithmetic runs in
+ * one call, rounded exactly where torch rounds, so the result is bit-identical:
+ *   RoPE   y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), each product of two bf16 values
+ *          exact in float32 (as torch computes a bf16 op: widen, compute in float32, round to
+ *          nearest even), cos/sin the caller's bf16 tables of each row's position
+ *   cache  the rotated k and the v rows of every request written to its slot, before any reads
+ *   out    float32 attention rounded to bf16 (nearest even), (B, H*D)
+ * qkv rows are [q heads | k heads | v heads], `stride` elements apart. Returns like paged_decode. */
+
+static inline float bf16f(uint16_t h) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
+    return c.f;
+}
+
+static inline uint16_t f32_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((c.u >> 16) | 0x40); /* quiet NaN */
+    return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
+}
+
+/* one head's RoPE; rotate_half(x) = [-x2, x1]; the halves in separate loops so they vectorize */
+static inline float rope_one(uint16_t x, uint16_t xr_bits, int neg, uint16_t c, uint16_t s) {
+    const float xr = neg ? -bf16f(xr_bits) : bf16f(xr_bits);
+    return bf16f(f32_bf16(bf16f(f32_bf16(bf16f(x) * bf16f(c))) + bf16f(f32_bf16(xr * bf16f(s)))));
+}
+
+static void rope_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, int64_t D, float *qd, uint16_t *kd) {
+    const int64_t half = D / 2;
+    if (qd) {
+        for (int64_t d = 0; d < half; d++) qd[d] = rope_one(x[d], x[d + half], 1, c[d], s[d]);
+        for (int64_t d = half; d < D; d++) qd[d] = rope_one(x[d], x[d - half], 0, c[d], s[d]);
+    } else {
+        for (int64_t d = 0; d < half; d++) kd[d] = f32_bf16(rope_one(x[d], x[d + half], 1, c[d], s[d]));
+        for (int64_t d = half; d < D; d++) kd[d] = f32_bf16(rope_one(x[d], x[d - half], 0, c[d], s[d]));
+    }
+}
+
+static _Thread_local float *tl_io = NULL; /* the caller's float32 q and output, grown on demand */
+static _Thread_local size_t tl_io_len = 0;
+
+int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
+                       uint16_t *vc, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
+                       const int64_t *lens, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                       float scale) {
+    if (KVH <= 0 || H % KVH != 0 || D <= 0 || D % 2 != 0 || D > MAX_HEAD_DIM || BS <= 0 || B <= 0) return 1;
+    if (stride < (H + 2 * KVH) * D) return 1;
+    const size_t need = (size_t)(2 * B * H * D);
+    if (need > tl_io_len) {
+        float *b = realloc(tl_io, need * sizeof(float));
+        if (!b) return 2;
+        tl_io = b;
+        tl_io_len = need;
+    }
+    float *qf = tl_io, *of = tl_io + B * H * D;
+    for (int64_t b = 0; b < B; b++) {
+        const uint16_t *row = qkv + b * stride, *c = cos + b * D, *sn = sin + b * D;
+        const int64_t slot = slots[b];
+        for (int64_t h = 0; h < H; h++) rope_row(row + h * D, c, sn, D, qf + (b * H + h) * D, NULL);
+        for (int64_t h = 0; h < KVH; h++) rope_row(row + (H + h) * D, c, sn, D, NULL, kc + (slot * KVH + h) * D);
+        memcpy(vc + slot * KVH * D, row + (H + KVH) * D, sizeof(uint16_t) * (size_t)(KVH * D));
+    }
+    const int rc = paged_decode(qf, kc, vc, 1, tables, max_blocks, lens, of, B, H, KVH, D, BS, scale);
+    if (rc != 0) return rc;
+    for (int64_t i = 0; i < B * H * D; i++) out[i] = f32_bf16(of[i]);
+    return 0;
+}
+
+int phaselab_kernel_abi(void) { return 3; }

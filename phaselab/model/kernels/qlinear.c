@@ -354,9 +354,92 @@ static void dot_group_dp(const uint16_t *w, const uint16_t *x, int64_t K, int mr
 }
 #endif
 
+/* -- running the rows in parallel ------------------------------------------------------------ */
+
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
+/* set by qlinear_set_pool (pool.c's phaselab_pool_run); NULL: OpenMP's team */
+static pool_run_fn g_pool_run = NULL;
+void qlinear_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }
+
+#define CHUNKS_PER_THREAD 8 /* small enough to balance a thread the OS delays, big enough to amortize a claim */
+
+static void run_chunks(chunk_fn fn, void *ctx, int64_t nchunks) {
+    if (g_pool_run) {
+        g_pool_run(fn, ctx, nchunks);
+        return;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < nchunks; c++) fn(ctx, c);
+}
+
+static int64_t num_chunks(int64_t units) {
+    const int64_t want = (int64_t)omp_get_max_threads() * CHUNKS_PER_THREAD;
+    return units < want ? units : want;
+}
+
+typedef struct {
+    int fmt, y_bf16, dp;
+    const uint8_t *w;
+    int64_t N, K, M, rb, n0, units, nchunks;
+    const float *xf, *bias;
+    const void *x;
+    void *y;
+} ql_job;
+
+static inline void store_out(const ql_job *j, int64_t m, int64_t n, float v) {
+    if (j->y_bf16)
+        ((uint16_t *)j->y)[m * j->N + n] = f32_to_bf16(v);
+    else
+        ((float *)j->y)[m * j->N + n] = v;
+}
+
+#if QL_AVX512
+/* units are groups of four weight rows from n0 (dot_rows4) */
+static void rows4_chunk(void *ctx, int64_t c) {
+    const ql_job *j = (const ql_job *)ctx;
+    const int64_t q0 = c * j->units / j->nchunks, q1 = (c + 1) * j->units / j->nchunks;
+    for (int64_t nq = q0; nq < q1; nq++) {
+        const int64_t n = j->n0 + nq * 4;
+        const uint8_t *wr = j->w + n * j->rb;
+        for (int64_t m0 = 0; m0 < j->M; m0 += 4) {
+            const int mr = (int)(j->M - m0 < 4 ? j->M - m0 : 4);
+            float res[16];
+            dot4_group(j->fmt, wr, j->rb, j->xf + m0 * j->K, j->K, mr, res);
+            for (int r = 0; r < 4; r++) {
+                const float bn = j->bias ? j->bias[n + r] : 0.f;
+                for (int m = 0; m < mr; m++) store_out(j, m0 + m, n + r, res[r * 4 + m] + bn);
+            }
+        }
+    }
+}
+#endif
+
+/* units are single weight rows from n0, each used for up to MR activation rows at a time */
+static void rows1_chunk(void *ctx, int64_t c) {
+    const ql_job *j = (const ql_job *)ctx;
+    const int64_t r0 = c * j->units / j->nchunks, r1 = (c + 1) * j->units / j->nchunks;
+    for (int64_t n = j->n0 + r0; n < j->n0 + r1; n++) {
+        const uint8_t *wr = j->w + n * j->rb;
+        const float bn = j->bias ? j->bias[n] : 0.f;
+        for (int64_t m0 = 0; m0 < j->M; m0 += MR) {
+            const int mr = (int)(j->M - m0 < MR ? j->M - m0 : MR);
+            float res[MR];
+#if QL_DPBF16
+            if (j->dp)
+                dot_group_dp((const uint16_t *)wr, (const uint16_t *)j->x + m0 * j->K, j->K, mr, res);
+            else
+#endif
+                dot_group(j->fmt, wr, j->xf + m0 * j->K, j->K, mr, res);
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) store_out(j, m0 + m, n, res[m] + bn);
+        }
+    }
+}
+
 /* y (M, N) = x (M, K) W^T + bias. x_bf16 / y_bf16: 1 when that side is bfloat16.
  * scratch: float32 room for M*K values, used only when x is bf16 and must be widened.
  * use_dp: 1 to run BF16 weights x bf16 activations through vdpbf16ps (ignored when absent).
+ * Output rows are cut into chunks run by the pool (qlinear_set_pool) or OpenMP's team.
  * Returns 0, or 1 for an unsupported format/shape. */
 int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, float *scratch,
             const float *bias, void *y, int y_bf16, int use_dp) {
@@ -369,56 +452,25 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
         for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(xs[i]);
         xf = scratch;
     }
-    const int64_t rb = row_bytes(fmt, K);
+    ql_job j = {.fmt = fmt, .y_bf16 = y_bf16, .dp = dp, .w = (const uint8_t *)w, .N = N, .K = K, .M = M,
+                .rb = row_bytes(fmt, K), .xf = xf, .bias = bias, .x = x, .y = y};
 #if QL_AVX512
     /* 4 or more activation rows: four weight rows per pass (dot_rows4), the last N % 4 rows below */
     const int64_t n4 = (M >= ROWS4_MIN && !dp && K % 32 == 0) ? N / 4 * 4 : 0;
     if (n4 > 0) {
-#pragma omp parallel for schedule(static)
-        for (int64_t nq = 0; nq < n4 / 4; nq++) {
-            const int64_t n = nq * 4;
-            const uint8_t *wr = (const uint8_t *)w + n * rb;
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int mr = (int)(M - m0 < 4 ? M - m0 : 4);
-                float res[16];
-                dot4_group(fmt, wr, rb, xf + m0 * K, K, mr, res);
-                for (int r = 0; r < 4; r++) {
-                    const float bn = bias ? bias[n + r] : 0.f;
-                    for (int m = 0; m < mr; m++) {
-                        const float v = res[r * 4 + m] + bn;
-                        if (y_bf16)
-                            ((uint16_t *)y)[(m0 + m) * N + n + r] = f32_to_bf16(v);
-                        else
-                            ((float *)y)[(m0 + m) * N + n + r] = v;
-                    }
-                }
-            }
-        }
+        j.n0 = 0;
+        j.units = n4 / 4;
+        j.nchunks = num_chunks(j.units);
+        run_chunks(rows4_chunk, &j, j.nchunks);
     }
 #else
     const int64_t n4 = 0;
 #endif
-#pragma omp parallel for schedule(static)
-    for (int64_t n = n4; n < N; n++) {
-        const uint8_t *wr = (const uint8_t *)w + n * rb;
-        const float bn = bias ? bias[n] : 0.f;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = (int)(M - m0 < MR ? M - m0 : MR);
-            float res[MR];
-#if QL_DPBF16
-            if (dp)
-                dot_group_dp((const uint16_t *)wr, (const uint16_t *)x + m0 * K, K, mr, res);
-            else
-#endif
-                dot_group(fmt, wr, xf + m0 * K, K, mr, res);
-            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
-                const float v = res[m] + bn;
-                if (y_bf16)
-                    ((uint16_t *)y)[(m0 + m) * N + n] = f32_to_bf16(v);
-                else
-                    ((float *)y)[(m0 + m) * N + n] = v;
-            }
-        }
+    if (n4 < N) {
+        j.n0 = n4;
+        j.units = N - n4;
+        j.nchunks = num_chunks(j.units);
+        run_chunks(rows1_chunk, &j, j.nchunks);
     }
     return 0;
 }
@@ -469,4 +521,4 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
 }
 
 int qlinear_features(void) { return QL_AVX512 | (QL_DPBF16 << 1); }
-int qlinear_abi(void) { return 1; }
+int qlinear_abi(void) { return 2; }

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.c")
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4}
-_ABI = 1
+_ABI = 2
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -49,6 +49,8 @@ def _load() -> ctypes.CDLL | None:
         lib.qlinear.argtypes = [ci, vp, i64, i64, vp, ci, i64, vp, vp, vp, ci, ci]
         lib.dequant_rows.restype = ci
         lib.dequant_rows.argtypes = [ci, vp, i64, i64, vp, i64, vp, ci]
+        lib.qlinear_set_pool.argtypes = [vp]
+        lib.qlinear_set_pool(kernels.pool_address())
         _lib = lib
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _reason = f"the qlinear kernel could not be built: {e}"
@@ -66,9 +68,11 @@ def unavailable_reason() -> str | None:
 
 
 def build_id() -> str:
-    """Names this build (source, compiler, flags, CPU): the key of cached probe results."""
+    """Names this build (source, compiler, flags, CPU, and the threads that run it: the pool or
+    OpenMP's team, whose speeds differ): the key of cached probe results."""
     cc = kernels._compiler() or "none"
-    return kernels.build_key(SOURCE, cc)
+    runner = "team" if kernels.pool_address() is None else "pool-" + kernels.build_key(kernels.POOL_SOURCE, cc)[:8]
+    return kernels.build_key(SOURCE, cc) + "-" + runner
 
 
 def features() -> dict[str, bool]:
