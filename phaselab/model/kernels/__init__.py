@@ -145,6 +145,9 @@ def _load_pool() -> ctypes.CDLL | None:
     if _pool_tried:
         return _pool
     _pool_tried = True
+    if os.environ.get("PHASELAB_KERNELS", "1") == "0":
+        _pool_reason = "no native kernels: PHASELAB_KERNELS=0"
+        return None
     if os.environ.get(POOL_ENV, "1") == "0":
         _pool_reason = f"turned off by {POOL_ENV}=0"
         return None
@@ -179,6 +182,8 @@ def pool_address() -> int | None:
 def pool_description() -> str:
     """One line for config.json and start-up logs: which threads run the kernels, and how they wait."""
     lib = _load_pool()
+    if lib is None and _pool_reason and _pool_reason.startswith("no native kernels"):
+        return f"torch only ({_pool_reason})"
     if lib is None:
         return f"OpenMP's team ({_pool_reason})"
     spin = os.environ.get(SPIN_ENV, str(DEFAULT_SPIN_US))
