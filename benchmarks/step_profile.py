@@ -4,7 +4,7 @@ Times, per engine step, with perf_counter wrappers installed around the pieces (
 its own overhead would be a large share of a 20 ms step):
 
     linear      every linear layer and the LM head (PackedLinear / nn.Linear forwards)
-    attention   paged attention (KV write + decode kernel)
+    attention   paged attention (KV write + decode kernel; on the fused decode path, RoPE too)
     sampling    the sampler
     model other the rest of the forward: embedding, norms, RoPE, SiLU*up, residual adds
     engine      everything else in step(): scheduling, input preparation, outputs, Python
@@ -63,6 +63,8 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
         llama.F.linear = timers.wrap("linear", orig_linear)
     orig_attn = llama.paged_attention
     llama.paged_attention = timers.wrap("attention", orig_attn)
+    orig_fused = llama.kernels.decode_rope_attend  # the fused decode path: RoPE + KV write + attention
+    llama.kernels.decode_rope_attend = timers.wrap("attention", orig_fused)
     model.forward = timers.wrap("model", model.forward)
     eng.executor.sampler.sample = timers.wrap("sampling", eng.executor.sampler.sample)
     try:
@@ -88,6 +90,7 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
             eng.step()
     finally:
         llama.paged_attention = orig_attn
+        llama.kernels.decode_rope_attend = orig_fused
         if model.head is None:
             llama.F.linear = orig_linear
     parts = {

@@ -48,6 +48,8 @@ class ModelRunner:
         # PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
         self.fused_decode = (self.native_decode and dtype == torch.bfloat16
                              and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0")
+        # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
+        self.prefill_mode = kernels.prefill_mode() if self.native_decode and dtype == torch.bfloat16 else None
 
     def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
         if self._workspace is None or self._workspace.shape[1] < num_blocks:
@@ -108,7 +110,8 @@ class ModelRunner:
             if s.sample:
                 logits_indices.append(row + n - 1)
                 sampling.append(s)
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills, block_size=bs)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills, block_size=bs,
+                                 prefill_mode=self.prefill_mode)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
@@ -143,6 +146,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
             prefills=[PrefillSeq(0, n, 0, torch.tensor(block_ids, dtype=torch.long))],
             block_size=bs,
+            prefill_mode=self.prefill_mode,
         )
         ids = torch.tensor(token_ids, dtype=torch.long)
         return self.model(ids, torch.arange(n), self.kv_caches, meta, None)

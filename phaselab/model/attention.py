@@ -4,7 +4,9 @@ The cache of one layer is `(2, num_blocks, block_size, kv_heads, head_dim)`; a r
 live in the blocks of its block table, token p in block `table[p // block_size]`, slot
 `p % block_size`. Every iteration first writes the new K/V through `slot_mapping`, then:
 
-- multi-token chunks (prefill, or recompute after preemption) attend one request at a time:
+- multi-token chunks (prefill, or recompute after preemption) attend one request at a time.
+  With a bf16 cache and the native library (`kernels/prefill_attn.c`) one call reads the whole
+  context through the block table, cached prefix or not, with bf16 dot products. Otherwise torch:
   straight to their own fresh K/V when nothing is cached before them, else causally to their
   own K/V plus, in a second pass merged by log-sum-exp, to the cached prefix read through the
   block table (`attend_after_prefix`: no masked pass over the whole context);
@@ -48,6 +50,9 @@ class AttentionMetadata:
     # a decode-only batch in bf16 with the native kernel: RoPE, K/V write and attention in one call
     # (kernels.decode_rope_attend, bit-identical to the separate ops)
     fused_decode: bool = False
+    # bf16 cache with the native library: prefill chunks run kernels.prefill_attend in this mode
+    # (kernels.prefill_mode(); None: torch's flash attention, as below)
+    prefill_mode: int | None = None
     # torch fallback only:
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
     # preallocated (2, >= Bd * max_blocks, block_size, kvh, hd) buffer the decode contexts are
@@ -116,6 +121,10 @@ def paged_attention(
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_end)
         n = seq.token_end - seq.token_start
+        if meta.prefill_mode is not None:  # the whole context, prefix or not, read from the cache
+            kernels.prefill_attend(q[rows], kv_cache, seq.block_table, seq.start_position, scale, meta.prefill_mode,
+                                   out=out[rows])
+            continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
         if seq.start_position == 0:
             ks = k[rows].transpose(0, 1).unsqueeze(0)  # (1, kvh, n, hd)

@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled on first use with the machine's C compiler and loaded with ctypes.
 
 Kernels: paged decode attention (`paged_decode.c`), which reads each request's K/V in place
-through its block table instead of gathering the context into a buffer first, and the small-batch
-linear layers (`qlinear.c`, bound in `qlinear.py`). Both run their work on `pool.c`, a thread pool
+through its block table instead of gathering the context into a buffer first; prefill attention
+(`prefill_attn.c`, built into the same library), a chunk's causal attention over its whole cached
+context in bf16 dot products; and the small-batch linear layers (`qlinear.c`, bound in
+`qlinear.py`). All run their work on `pool.c`, a thread pool
 whose workers stay awake for a bounded time between calls (`PHASELAB_POOL_SPIN_US`, default
 200 us) and steal chunks, so a decode step's ~120 short calls neither pay OpenMP's wake-up under
 OMP_WAIT_POLICY=PASSIVE nor wait at a barrier for a thread the OS has descheduled.
@@ -39,6 +41,10 @@ import torch
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
+PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOURCE's library
+PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
+# PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
+PREFILL_MODES = {"auto": 0, "dpbf16": 0, "avx512": 1, "c": 2, "torch": None}
 POOL_SOURCE = Path(__file__).with_name("pool.c")
 POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
 SPIN_ENV = "PHASELAB_POOL_SPIN_US"
@@ -49,7 +55,7 @@ DEFAULT_SPIN_US = 200
 # changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
-_ABI = 3
+_ABI = 4
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -82,23 +88,27 @@ def _cpu_flags() -> str:
     return ""
 
 
-def build_key(source: Path, cc: str) -> str:
-    """Hash of what decides a build: the source, the compiler, the flags and the CPU's features."""
-    src = source.read_bytes()
+def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
+    """Hash of what decides a build: the sources, the compiler, the flags and the CPU's features."""
+    src = b"".join(p.read_bytes() for p in (source if isinstance(source, tuple) else (source,)))
     return hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
 
 
-def _build(cc: str, source: Path = _SOURCE) -> Path:
-    out = cache_dir() / f"{source.stem}-{build_key(source, cc)}.so"
+def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE)) -> Path:
+    """Compile `source` (one file, or several linked into one library) once per build key."""
+    sources = source if isinstance(source, tuple) else (source,)
+    out = cache_dir() / f"{sources[0].stem}-{build_key(source, cc)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(source), "-lm"], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
+                              timeout=300)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {source.name}: {proc.stderr.strip()[-2000:]}")
+            names = " ".join(p.name for p in sources)
+            raise RuntimeError(f"{cc} failed on {names}: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent build of the same key yields the same file
     finally:
         if os.path.exists(tmp):
@@ -130,8 +140,12 @@ def _load() -> ctypes.CDLL | None:
             g = lib.decode_rope_attend
             g.restype = ctypes.c_int
             g.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [ctypes.c_float]
-            lib.paged_decode_set_pool.argtypes = [ctypes.c_void_p]
-            lib.paged_decode_set_pool(pool_address())
+            h = lib.prefill_attend
+            h.restype = ctypes.c_int
+            h.argtypes = [vp, i64, vp, vp, vp, i64, vp] + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+            for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool):
+                setter.argtypes = [ctypes.c_void_p]
+                setter(pool_address())
             _lib = lib
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = f"native kernels could not be built: {e}"
@@ -285,4 +299,68 @@ def decode_rope_attend(
     )
     if rc != 0:
         raise RuntimeError(f"decode_rope_attend failed (code {rc}: 1 = unsupported shape, 2 = out of memory)")
+    return out
+
+
+def prefill_features() -> dict[str, bool]:
+    """What prefill_attn.c was compiled with on this CPU (empty without the library)."""
+    lib = _load()
+    if lib is None:
+        return {}
+    f = lib.prefill_attn_features()
+    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2)}
+
+
+def prefill_mode() -> int | None:
+    """The prefill attention path `PHASELAB_PREFILL_ATTN` asks for: a kernel mode, or None (torch).
+
+    auto (default): AVX512-BF16 dot products where the CPU has them, else AVX-512 float32 FMA, else
+    torch (the portable C path measured 4x slower than torch's flash attention: it exists for tests
+    and as the reference layout). dpbf16, avx512, c, torch force one path; one this CPU's build lacks
+    is an error, not a silent fallback.
+    """
+    want = os.environ.get(PREFILL_ENV, "auto")
+    if want not in PREFILL_MODES:
+        raise ValueError(f"{PREFILL_ENV}={want!r}: use one of {', '.join(PREFILL_MODES)}")
+    if want == "torch" or _load() is None:
+        return None
+    feats = prefill_features()
+    if want == "auto" and not feats["avx512"]:
+        return None
+    if (want == "dpbf16" and not feats["avx512_bf16_dot"]) or (want == "avx512" and not feats["avx512"]):
+        raise ValueError(f"{PREFILL_ENV}={want}: this CPU's build lacks it ({feats}); use auto, c or torch")
+    return PREFILL_MODES[want]
+
+
+def prefill_attend(
+    q: torch.Tensor,  # (n, H, D) bfloat16, rows `q.stride(0)` apart, heads and dims contiguous
+    kv_cache: torch.Tensor,  # (2, num_blocks, BS, KVH, D) bfloat16: this layer's cache, the chunk written
+    block_table: torch.Tensor,  # (>= ceil((start + n) / BS),) int64: the request's blocks in order
+    start: int,  # tokens cached before the chunk: row i is at position start + i
+    scale: float,
+    mode: int = 0,
+    out: torch.Tensor | None = None,  # (n, H, D) bfloat16, contiguous
+) -> torch.Tensor:
+    """Causal attention of a prefill chunk over its request's whole context, read from the cache."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"prefill_attend kernel unavailable: {_reason}")
+    n, H, D = q.shape
+    _, _, BS, KVH, Dk = kv_cache.shape
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or Dk != D:
+        raise ValueError(f"prefill_attend: q {q.dtype} {tuple(q.shape)}, cache {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if q.stride(2) != 1 or q.stride(1) != D or not kv_cache.is_contiguous() or not block_table.is_contiguous():
+        raise ValueError("prefill_attend: q's heads and dims, the cache and the block table must be contiguous")
+    if block_table.dtype != torch.int64:
+        raise ValueError("prefill_attend: block_table must be int64")
+    if out is None:
+        out = torch.empty((n, H, D), dtype=torch.bfloat16)
+    elif out.shape != (n, H, D) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"prefill_attend: out must be a contiguous bfloat16 {(n, H, D)}, got {out.dtype} {tuple(out.shape)}")
+    rc = lib.prefill_attend(
+        q.data_ptr(), q.stride(0), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_table.data_ptr(),
+        block_table.shape[0], out.data_ptr(), start, n, H, KVH, D, BS, scale, mode,
+    )
+    if rc != 0:
+        raise RuntimeError(f"prefill_attend failed (code {rc}: 1 = unsupported shape or mode, 2 = out of memory)")
     return out
