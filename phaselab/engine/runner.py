@@ -48,8 +48,12 @@ class ModelRunner:
         # PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
         self.fused_decode = (self.native_decode and dtype == torch.bfloat16
                              and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0")
+        # residual add + RMSNorm and SiLU * up as one native call each in bf16 (kernels/elementwise.c;
+        # PHASELAB_NATIVE_ELEMENTWISE=0 keeps torch's ops)
+        model.native_elementwise = (self.native_decode and dtype == torch.bfloat16
+                                    and os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0")
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
-        self.prefill_mode = kernels.prefill_mode() if self.native_decode and dtype == torch.bfloat16 else None
+        self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 
     def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
         if self._workspace is None or self._workspace.shape[1] < num_blocks:

@@ -37,6 +37,15 @@ class RMSNorm(nn.Module):
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
+    def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); x None: (norm(residual), residual). `native`: one bf16
+        call (kernels.add_rms_norm, the same roundings) that updates `residual` in place."""
+        if native:
+            return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if x is not None:
+            residual = x + residual
+        return self(residual), residual
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (head_dim/2,), with llama3-style scaling when the config has it."""
@@ -131,7 +140,9 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        if native:  # bf16: SiLU(gate) * up in one call (kernels.silu_mul, torch's roundings)
+            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -144,9 +155,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, h, cos, sin, kv_cache, meta):  # type: ignore[no-untyped-def]
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, residual, cos, sin, kv_cache, meta, native=False):  # type: ignore[no-untyped-def]
+        """(mlp output, residual stream): the residual add is left to the next layer's first norm
+        (and the model's final one), so each add and norm is one pass (one call when `native`).
+        Same values as h + attn(norm(h)), then h + mlp(norm(h)): the adds happen in the same order."""
+        x, residual = self.input_layernorm.add_norm(None if residual is None else h, h if residual is None else residual,
+                                                    native)
+        a = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_norm(a, residual, native)
+        return self.mlp(x, native), residual
 
 
 class LlamaModel(nn.Module):
@@ -173,6 +190,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # set by linear.install on the native paths: the LM head over packed weights
         self.head: nn.Module | None = None
+        # bf16 elementwise glue through kernels/elementwise.c (set by the runner where it applies)
+        self.native_elementwise = False
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -188,11 +207,16 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, h.dtype)
+        native = self.native_elementwise
+        residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, kv_caches[i], meta)
-        if logits_indices is not None:
-            h = h[logits_indices]  # only the rows that sample go through the norm and LM head
-        h = self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta, native)
+        if residual is not None:
+            if logits_indices is not None:  # only the rows that sample go through the norm and LM head
+                h, residual = h[logits_indices].contiguous(), residual[logits_indices].contiguous()
+            h, _ = self.model.norm.add_norm(h, residual, native)
+        else:  # no layers
+            h = self.model.norm(h if logits_indices is None else h[logits_indices])
         logits = self.head(h) if self.head is not None else F.linear(h, self.lm_head_weight)
         return logits.float()  # (rows, vocab) fp32
 

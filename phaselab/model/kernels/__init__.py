@@ -3,7 +3,8 @@
 Kernels: paged decode attention (`paged_decode.c`), which reads each request's K/V in place
 through its block table instead of gathering the context into a buffer first; prefill attention
 (`prefill_attn.c`, built into the same library), a chunk's causal attention over its whole cached
-context in bf16 dot products; and the small-batch linear layers (`qlinear.c`, bound in
+context in bf16 dot products; the decoder layer's bf16 elementwise glue (`elementwise.c`: residual
+add + RMSNorm, SiLU * up, one call each instead of 3-6 torch ops); and the small-batch linear layers (`qlinear.c`, bound in
 `qlinear.py`). All run their work on `pool.c`, a thread pool
 whose workers stay awake for a bounded time between calls (`PHASELAB_POOL_SPIN_US`, default
 200 us) and steal chunks, so a decode step's ~120 short calls neither pay OpenMP's wake-up under
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOURCE's library
+ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")  # likewise
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "dpbf16": 0, "avx512": 1, "c": 2, "torch": None}
@@ -55,7 +57,7 @@ DEFAULT_SPIN_US = 200
 # changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
-_ABI = 4
+_ABI = 5
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -94,7 +96,7 @@ def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
     return hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
 
 
-def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE)) -> Path:
+def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE)) -> Path:
     """Compile `source` (one file, or several linked into one library) once per build key."""
     sources = source if isinstance(source, tuple) else (source,)
     out = cache_dir() / f"{sources[0].stem}-{build_key(source, cc)}.so"
@@ -143,7 +145,10 @@ def _load() -> ctypes.CDLL | None:
             h = lib.prefill_attend
             h.restype = ctypes.c_int
             h.argtypes = [vp, i64, vp, vp, vp, i64, vp] + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-            for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool):
+            lib.add_rms_norm.restype = lib.silu_mul.restype = ctypes.c_int
+            lib.add_rms_norm.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
+            lib.silu_mul.argtypes = [vp, vp, i64, i64]
+            for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool, lib.elementwise_set_pool):
                 setter.argtypes = [ctypes.c_void_p]
                 setter(pool_address())
             _lib = lib
@@ -311,13 +316,19 @@ def prefill_features() -> dict[str, bool]:
     return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2)}
 
 
-def prefill_mode() -> int | None:
+def prefill_supports(head_dim: int) -> bool:
+    """Head sizes prefill_attn.c takes: multiples of 32 up to 256 (64 and 128 have their own copies)."""
+    return head_dim % 32 == 0 and 0 < head_dim <= 256
+
+
+def prefill_mode(head_dim: int = 64) -> int | None:
     """The prefill attention path `PHASELAB_PREFILL_ATTN` asks for: a kernel mode, or None (torch).
 
     auto (default): AVX512-BF16 dot products where the CPU has them, else AVX-512 float32 FMA, else
     torch (the portable C path measured 4x slower than torch's flash attention: it exists for tests
-    and as the reference layout). dpbf16, avx512, c, torch force one path; one this CPU's build lacks
-    is an error, not a silent fallback.
+    and as the reference layout), and torch for a head size the kernel does not take. dpbf16, avx512,
+    c, torch force one path; one this CPU's build or this head size cannot run is an error, not a
+    silent fallback.
     """
     want = os.environ.get(PREFILL_ENV, "auto")
     if want not in PREFILL_MODES:
@@ -325,8 +336,11 @@ def prefill_mode() -> int | None:
     if want == "torch" or _load() is None:
         return None
     feats = prefill_features()
-    if want == "auto" and not feats["avx512"]:
+    if want == "auto" and (not feats["avx512"] or not prefill_supports(head_dim)):
         return None
+    if not prefill_supports(head_dim):
+        raise ValueError(f"{PREFILL_ENV}={want}: the kernel takes head sizes that are multiples of 32 up to 256, "
+                         f"not {head_dim}; use auto or torch")
     if (want == "dpbf16" and not feats["avx512_bf16_dot"]) or (want == "avx512" and not feats["avx512"]):
         raise ValueError(f"{PREFILL_ENV}={want}: this CPU's build lacks it ({feats}); use auto, c or torch")
     return PREFILL_MODES[want]
@@ -363,4 +377,36 @@ def prefill_attend(
     )
     if rc != 0:
         raise RuntimeError(f"prefill_attend failed (code {rc}: 1 = unsupported shape or mode, 2 = out of memory)")
+    return out
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """bf16 `residual += x` (in place; x None: no add), then RMSNorm(residual) * weight, as a new tensor.
+
+    (T, N) bfloat16, contiguous. Torch's roundings (elementwise.c); for the decoder layer's hot path,
+    so shapes are the caller's to get right beyond what is checked here.
+    """
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"add_rms_norm kernel unavailable: {_reason}")
+    T, N = residual.shape
+    if residual.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not residual.is_contiguous() or (
+            x is not None and (x.dtype != torch.bfloat16 or x.shape != residual.shape or not x.is_contiguous())):
+        raise ValueError("add_rms_norm: contiguous bfloat16 (T, N) tensors of one shape expected")
+    out = torch.empty_like(residual)
+    lib.add_rms_norm(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                     T, N, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """bf16 SiLU(gate) * up of a fused (T, 2N) projection, as torch rounds it: (T, N)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"silu_mul kernel unavailable: {_reason}")
+    T, N2 = gate_up.shape
+    if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or N2 % 2:
+        raise ValueError("silu_mul: a contiguous bfloat16 (T, 2N) tensor expected")
+    out = torch.empty((T, N2 // 2), dtype=torch.bfloat16)
+    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
     return out

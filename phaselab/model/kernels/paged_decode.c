@@ -263,4 +263,4 @@ int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos,
     return 0;
 }
 
-int phaselab_kernel_abi(void) { return 4; }
+int phaselab_kernel_abi(void) { return 5; }
