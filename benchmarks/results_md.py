@@ -267,8 +267,12 @@ def linear_section(lin: dict | None, *profs: dict | None) -> list[str]:
         how = ""
         if "kernel_threads" in prof:
             how = (f" Run {prof['started']}; kernels on {prof['kernel_threads'].split(' (')[0]}, decode RoPE/KV "
-                   f"write/attention {'fused into one call' if prof['fused_decode'] else 'as separate torch ops'}"
-                   " (the attention column counts the separate ops only: fused, they fall under model other).")
+                   f"write/attention {'fused into one call' if prof['fused_decode'] else 'as separate torch ops'}")
+            if prof.get("fused_timed_as") == "attention":
+                how += (", timed as attention; residual add + RMSNorm and SiLU*up "
+                        + ("native (elementwise.c)." if prof.get("native_elementwise") else "as torch ops."))
+            else:
+                how += " (the attention column counts the separate ops only: fused, they fall under model other)."
         out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares." + how,
                 "", "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
                 "|---|---|---|---|---|---|---|---|---|"]
@@ -419,6 +423,9 @@ SERVED_OTHER_MACHINES = [
 # issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
 # phaselab before the change right after that), all on the machine at hand, one server at a time
 ISSUE18_SERVED_RUNS = [
+    ("2026-12-02 night: native prefill attention and elementwise kernels", "serve_vs_peers_epyc_prefill",
+     "serve_vs_peers_epyc_prefill_vllm_2threads", "serve_vs_peers_epyc_prefill_before",
+     "PHASELAB_PREFILL_ATTN=torch PHASELAB_NATIVE_ELEMENTWISE=0"),
     ("2026-12-02 evening: the kernel pool and the fused decode path", "serve_vs_peers_epyc_fused",
      "serve_vs_peers_epyc_fused_vllm_2threads", "serve_vs_peers_epyc_fused_before",
      "PHASELAB_POOL=0 PHASELAB_FUSED_DECODE=0"),
@@ -440,20 +447,28 @@ def issue18_served_section(results: str) -> list[str]:
                 "vLLM 1 thread (default)": m["servers"].get("vllm"), "vLLM 2 threads": v2["servers"].get("vllm")}
         if any(c is None for c in cols.values()):
             continue
+        llama = m["servers"].get("llamacpp-q4_1")
+        if llama is not None and llama.get("workloads"):  # the same Q4_1 file, in the first run
+            cols["llama.cpp Q4_1"] = llama
         out += [f"### Issue 18's served table, {when}", "",
                 f"{cpu}. Three runs of `benchmarks/serve_vs_peers.py` back to back (`--servers phaselab vllm "
                 f"--phaselab-dtype auto`, then `--servers vllm --vllm-threads-bind 0-1`, then `{before_env} ... "
                 f"--servers phaselab`; outputs `{main}.json`, `{vllm2}.json`, `{before}.json`), one server at a "
                 "time, same client, workloads and seeds. Output tok/s, then ITL p50 / p99 ms; the last column is "
-                "phaselab's output tok/s over the better vLLM's (>= 1.00x is the issue's target).", "",
-                "| workload | " + " | ".join(cols) + " | phaselab / best vLLM |", "|---|" + "---|" * (len(cols) + 1)]
+                "phaselab's output tok/s over the better vLLM's (>= 1.00x is the issue's target)"
+                + (", and over llama.cpp's (llama.cpp ran in the first run, `-t 2 -tb 2`)." if llama else "."), "",
+                "| workload | " + " | ".join(cols) + " | phaselab / best vLLM |" + (" phaselab / llama.cpp |" if llama else ""),
+                "|---|" + "---|" * (len(cols) + 1 + bool(llama))]
         for w in cols["phaselab"]["workloads"]:
             vals = [c["workloads"].get(w) for c in cols.values()]
             if any(v is None for v in vals):
                 continue
             cells = [f"{v['output_throughput']:.1f} ({v['median_itl_ms']:.1f} / {v['p99_itl_ms']:.0f})" for v in vals]
             best = max(vals[2]["output_throughput"], vals[3]["output_throughput"])
-            out.append(f"| {w} | " + " | ".join(cells) + f" | {vals[0]['output_throughput'] / best:.2f}x |")
+            row = f"| {w} | " + " | ".join(cells) + f" | {vals[0]['output_throughput'] / best:.2f}x |"
+            if llama:
+                row += f" {vals[0]['output_throughput'] / vals[4]['output_throughput']:.2f}x |"
+            out.append(row)
         failed = [f"{k} ({v['error'].split(';')[0]})" for r in runs for k, v in r["servers"].items() if v.get("error")]
         if failed:
             out += ["", "Did not run: " + "; ".join(failed) + ". llama.cpp's figures are in the earlier runs below."]
@@ -598,7 +613,8 @@ def main() -> None:
     if lin is not None and bat is not None:
         lin["batched_run"] = {"configs": bat["batched"], "started": bat.get("started"), "cpu": bat.get("cpu")}
     lines += linear_section(lin, *(load(os.path.join(ns.results, f)) for f in
-                                   ("step_profile.json", "step_profile_before.json", "step_profile_earlier.json")))
+                                   ("step_profile.json", "step_profile_fused.json", "step_profile_before.json",
+                                    "step_profile_earlier.json")))
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))

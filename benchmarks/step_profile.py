@@ -126,7 +126,9 @@ def main() -> None:
     result: dict[str, Any] = {"cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "profiles": {},
                               "kernel_threads": kernels.pool_description(),
-                              "fused_decode": os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0"}
+                              "fused_decode": os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0",
+                              "fused_timed_as": "attention",  # decode_rope_attend is wrapped with paged_attention
+                              "native_elementwise": os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0"}
     for cfg in args.configs:
         # DTYPE/PATH[+BATCHED]: PATH forced through PHASELAB_LINEAR ("auto": the start-up probe
         # decides, as `phaselab serve` does), BATCHED through PHASELAB_BATCHED (tile | resident)

@@ -98,3 +98,27 @@ def test_model_fused_on_and_off_agree() -> None:
         runner.fused_decode = True
         llm.shutdown()
     assert fused == separate
+
+
+@pytest.mark.parametrize(("T", "H", "KVH", "D"), [(1, 9, 3, 64), (37, 9, 3, 64), (300, 8, 8, 128), (20, 12, 2, 80)])
+def test_rope_write_kv_equals_separate_ops(T, H, KVH, D) -> None:
+    """The prefill/mixed-step half of the fusion (kernels.rope_write_kv): rotated q and the cache
+    writes of any number of rows, bit for bit against apply_rope + write_kv (rows past 16 go to the
+    thread pool: the 300-row case)."""
+    from phaselab.model.attention import write_kv
+
+    BS = 16
+    g = torch.Generator().manual_seed(T + D)
+    num_blocks = -(-T // BS) + 3
+    cache = (torch.randn(2, num_blocks, BS, KVH, D, generator=g) * 2).to(torch.bfloat16)
+    slots = torch.randperm(num_blocks * BS, generator=g)[:T].contiguous()  # any slots, in any order
+    qkv = (torch.randn(T, (H + 2 * KVH) * D, generator=g) * 3).to(torch.bfloat16)
+    theta = torch.rand(T, D // 2, generator=g) * 50
+    emb = torch.cat([theta, theta], -1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    cache_ref = cache.clone()
+    qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), cos, sin)
+    write_kv(cache_ref, qk[:, H:], qkv[:, (H + KVH) * D:].view(T, KVH, D), slots)
+    q = kernels.rope_write_kv(qkv, cos, sin, cache, slots, H)
+    assert torch.equal(q, qk[:, :H])
+    assert torch.equal(cache, cache_ref)

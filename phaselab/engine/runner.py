@@ -115,7 +115,8 @@ class ModelRunner:
                 logits_indices.append(row + n - 1)
                 sampling.append(s)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills, block_size=bs,
-                                 prefill_mode=self.prefill_mode)
+                                 prefill_mode=self.prefill_mode,
+                                 native_rope=self.prefill_mode is not None and self.model.native_elementwise)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
@@ -151,6 +152,7 @@ class ModelRunner:
             prefills=[PrefillSeq(0, n, 0, torch.tensor(block_ids, dtype=torch.long))],
             block_size=bs,
             prefill_mode=self.prefill_mode,
+            native_rope=self.prefill_mode is not None and self.model.native_elementwise,
         )
         ids = torch.tensor(token_ids, dtype=torch.long)
         return self.model(ids, torch.arange(n), self.kv_caches, meta, None)

@@ -53,6 +53,9 @@ class AttentionMetadata:
     # bf16 cache with the native library: prefill chunks run kernels.prefill_attend in this mode
     # (kernels.prefill_mode(); None: torch's flash attention, as below)
     prefill_mode: int | None = None
+    # with prefill_mode set, every attention read comes from the cache: the layer may rotate q and
+    # write K/V in one native call (kernels.rope_write_kv) and pass k = v = None here
+    native_rope: bool = False
     # torch fallback only:
     decode_mask: torch.Tensor | None = None  # (Bd, 1, 1, max_blocks * block_size) bool, True = attend
     # preallocated (2, >= Bd * max_blocks, block_size, kvh, hd) buffer the decode contexts are
@@ -108,15 +111,19 @@ def attend_after_prefix(
 
 def paged_attention(
     q: torch.Tensor,  # (T, H, hd)
-    k: torch.Tensor,  # (T, kvh, hd)
-    v: torch.Tensor,  # (T, kvh, hd)
+    k: torch.Tensor | None,  # (T, kvh, hd)
+    v: torch.Tensor | None,  # (T, kvh, hd)
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, kvh, hd)
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    """k and v None: the step's K/V are already in the cache (meta.native_rope; needs prefill_mode)."""
+    if k is None or v is None:
+        assert meta.prefill_mode is not None, "k/v already written: only the cache-reading prefill kernel can run"
+    else:
+        write_kv(kv_cache, k, v, meta.slot_mapping)
     T, H, hd = q.shape
-    kvh = k.shape[1]
+    kvh = kv_cache.shape[3]
     out = torch.empty_like(q)
     for seq in meta.prefills:
         rows = slice(seq.token_start, seq.token_end)
@@ -125,6 +132,7 @@ def paged_attention(
             kernels.prefill_attend(q[rows], kv_cache, seq.block_table, seq.start_position, scale, meta.prefill_mode,
                                    out=out[rows])
             continue
+        assert k is not None and v is not None  # the torch path reads the chunk's own K/V
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # (1, H, n, hd)
         if seq.start_position == 0:
             ks = k[rows].transpose(0, 1).unsqueeze(0)  # (1, kvh, n, hd)

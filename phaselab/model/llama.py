@@ -124,6 +124,9 @@ class Attention(nn.Module):
             out = kernels.decode_rope_attend(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables,
                                              meta.decode_seq_lens, self.num_heads, self.scale)
             return self.o_proj(out)
+        if meta.native_rope:  # bf16, every read from the cache: RoPE + K/V write in one call
+            q = kernels.rope_write_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads)
+            return self.o_proj(paged_attention(q, None, None, kv_cache, meta, self.scale).reshape(T, self.q_size))
         qk_size = self.q_size + self.kv_size
         # RoPE on q and k together: the heads are adjacent columns, so one pass of elementwise ops
         qk = apply_rope(qkv[:, :qk_size].view(T, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)

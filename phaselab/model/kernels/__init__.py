@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOURCE's library
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")  # likewise
+SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the three: part of the build key
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "dpbf16": 0, "avx512": 1, "c": 2, "torch": None}
@@ -57,7 +58,7 @@ DEFAULT_SPIN_US = 200
 # changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
-_ABI = 5
+_ABI = 6
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -96,9 +97,10 @@ def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
     return hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
 
 
-def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE)) -> Path:
-    """Compile `source` (one file, or several linked into one library) once per build key."""
-    sources = source if isinstance(source, tuple) else (source,)
+def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, SIMD_HEADER)) -> Path:
+    """Compile `source` (one file, or several linked into one library; headers listed for the
+    build key only) once per build key."""
+    sources = tuple(p for p in (source if isinstance(source, tuple) else (source,)) if p.suffix == ".c")
     out = cache_dir() / f"{sources[0].stem}-{build_key(source, cc)}.so"
     if out.exists():
         return out
@@ -145,6 +147,9 @@ def _load() -> ctypes.CDLL | None:
             h = lib.prefill_attend
             h.restype = ctypes.c_int
             h.argtypes = [vp, i64, vp, vp, vp, i64, vp] + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+            r = lib.rope_write_kv
+            r.restype = ctypes.c_int
+            r.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp] + [i64] * 4
             lib.add_rms_norm.restype = lib.silu_mul.restype = ctypes.c_int
             lib.add_rms_norm.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
             lib.silu_mul.argtypes = [vp, vp, i64, i64]
@@ -410,3 +415,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, N2 // 2), dtype=torch.bfloat16)
     lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
     return out
+
+
+def rope_write_kv(
+    qkv: torch.Tensor,  # (T, (H + 2*KVH) * D) bfloat16, rows contiguous
+    cos: torch.Tensor,  # (T, D) bfloat16
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,  # (2, num_blocks, BS, KVH, D) bfloat16
+    slot_mapping: torch.Tensor,  # (T,) int64
+    num_heads: int,
+) -> torch.Tensor:
+    """RoPE of every row's q and k heads, k and v written to their cache slots: the rotated q,
+    (T, H, D) bfloat16. Bit-identical to apply_rope + write_kv (paged_decode.c's rope_row)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"rope_write_kv kernel unavailable: {_reason}")
+    T = qkv.shape[0]
+    _, _, _, KVH, D = kv_cache.shape
+    q = torch.empty((T, num_heads, D), dtype=torch.bfloat16)
+    kc, vc = kv_cache[0], kv_cache[1]
+    rc = lib.rope_write_kv(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                           slot_mapping.data_ptr(), q.data_ptr(), T, num_heads, KVH, D)
+    if rc != 0:
+        raise RuntimeError(f"rope_write_kv failed (code {rc}: 1 = unsupported shape)")
+    return q

@@ -19,15 +19,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define EW_AVX512 1
-#else
-#define EW_AVX512 0
-#endif
+#include "simd.h"
 
-typedef void (*chunk_fn)(void *ctx, int64_t chunk);
-typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
+#define EW_AVX512 PL_AVX512
+
 static pool_run_fn g_pool_run = NULL;
 void elementwise_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }
 
@@ -41,17 +36,6 @@ static void run_rows(chunk_fn fn, void *ctx, int64_t rows, int64_t elems) {
         return;
     }
     for (int64_t i = 0; i < items; i++) fn(ctx, i);
-}
-
-static inline float bf16f(uint16_t h) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
 }
 
 #if EW_AVX512
@@ -69,19 +53,6 @@ static inline __m512 round_bf16(__m512 x) {
 }
 static inline void store_bf16(uint16_t *p, __m512 rounded) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
-}
-static inline __m512 exp_ps(__m512 x) { /* e^x, relative error ~2e-7; inf above ~88 (as expf), 2^-126 below -87 */
-    x = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f)), _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
 }
 #endif
 

@@ -35,12 +35,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define PA_AVX512 1
-#else
-#define PA_AVX512 0
-#endif
+#include "simd.h"
+
+#define PA_AVX512 PL_AVX512
 #if PA_AVX512 && defined(__AVX512BF16__)
 #define PA_DPBF16 1
 #else
@@ -52,8 +49,6 @@
 #define KBLK 64  /* keys per softmax step: 4 vectors of 16 */
 #define LOG2E 1.4426950408889634f
 
-typedef void (*chunk_fn)(void *ctx, int64_t chunk);
-typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
 static pool_run_fn g_pool_run = NULL;
 void prefill_attn_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }
 
@@ -65,17 +60,6 @@ static void run(chunk_fn fn, void *ctx, int64_t n) {
     }
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) fn(ctx, i);
-}
-
-static inline float bf16f(uint16_t h) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
-    return c.f;
-}
-
-static inline uint16_t f32_bf16(float f) {
-    union { float f; uint32_t u; } c = {.f = f};
-    if ((c.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((c.u >> 16) | 0x40);
-    return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
 }
 
 typedef struct pa_job pa_job;
@@ -125,20 +109,6 @@ static void pack_item(void *ctx, int64_t item) {
 
 /* -- AVX-512 tile -------------------------------------------------------------------------------- */
 #if PA_AVX512
-
-static inline __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
-    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-    return _mm512_scalef_ps(p, n);
-}
 
 static inline __m512 even_f(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
 static inline __m512 odd_f(__m512i pairs) {

@@ -1,0 +1,53 @@
+/* Helpers shared by the attention and elementwise kernels (paged_decode.c, prefill_attn.c,
+ * elementwise.c, linked into one library): bf16 <-> float32 as torch converts, the thread-pool
+ * hook's types, and, where AVX-512 is compiled, a vector exp. Header-only: everything is static. */
+#ifndef PHASELAB_SIMD_H
+#define PHASELAB_SIMD_H
+
+#include <stdint.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PL_AVX512 1
+#else
+#define PL_AVX512 0
+#endif
+
+/* pool.c's phaselab_pool_run(fn, ctx, n) calls fn(ctx, i) for i in [0, n) on its workers */
+typedef void (*chunk_fn)(void *ctx, int64_t chunk);
+typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
+
+static inline float bf16f(uint16_t h) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)h << 16};
+    return c.f;
+}
+
+/* round to nearest even (NaN made quiet), as torch narrows float32 to bf16 */
+static inline uint16_t f32_bf16(float f) {
+    union { float f; uint32_t u; } c = {.f = f};
+    if ((c.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((c.u >> 16) | 0x40);
+    return (uint16_t)((c.u + 0x7fff + ((c.u >> 16) & 1)) >> 16);
+}
+
+#if PL_AVX512
+/* 2^x: degree-6 polynomial on the fraction, scalef by the integer part; relative error ~2e-7.
+ * Inputs below -126 give 2^-126 (callers mask what must be exactly zero); large ones overflow to
+ * inf as exp2f does. */
+static inline __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n); /* [-0.5, 0.5] */
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24022650695910071f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.69314718055994531f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 exp_ps(__m512 x) { return exp2_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f))); }
+#endif
+
+#endif
