@@ -423,8 +423,13 @@ SERVED_OTHER_MACHINES = [
 # issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
 # phaselab before the change right after that), all on the machine at hand, one server at a time
 ISSUE18_SERVED_RUNS = [
-    ("2026-12-02 night: native prefill attention and elementwise kernels", "serve_vs_peers_epyc_prefill",
+    ("2026-12-02 night, second runs (head 979ec11): native prefill attention, elementwise, RoPE + K/V "
+     "write, vector exp in the decode softmax", "serve_vs_peers_epyc_prefill",
      "serve_vs_peers_epyc_prefill_vllm_2threads", "serve_vs_peers_epyc_prefill_before",
+     "PHASELAB_PREFILL_ATTN=torch PHASELAB_NATIVE_ELEMENTWISE=0"),
+    ("2026-12-02 night, first runs (518c3d0: native prefill attention and elementwise kernels; the 'before' "
+     "run from a worktree of that commit)", "serve_vs_peers_epyc_prefill518",
+     "serve_vs_peers_epyc_prefill518_vllm_2threads", "serve_vs_peers_epyc_prefill518_before",
      "PHASELAB_PREFILL_ATTN=torch PHASELAB_NATIVE_ELEMENTWISE=0"),
     ("2026-12-02 evening: the kernel pool and the fused decode path", "serve_vs_peers_epyc_fused",
      "serve_vs_peers_epyc_fused_vllm_2threads", "serve_vs_peers_epyc_fused_before",
