@@ -453,7 +453,9 @@ def issue18_served_section(results: str) -> list[str]:
         if any(c is None for c in cols.values()):
             continue
         llama = m["servers"].get("llamacpp-q4_1")
-        if llama is not None and llama.get("workloads"):  # the same Q4_1 file, in the first run
+        if not (llama and llama.get("workloads")):  # the same Q4_1 file, when it ran in the first run
+            llama = None
+        else:
             cols["llama.cpp Q4_1"] = llama
         out += [f"### Issue 18's served table, {when}", "",
                 f"{cpu}. Three runs of `benchmarks/serve_vs_peers.py` back to back (`--servers phaselab vllm "
@@ -461,7 +463,7 @@ def issue18_served_section(results: str) -> list[str]:
                 f"--servers phaselab`; outputs `{main}.json`, `{vllm2}.json`, `{before}.json`), one server at a "
                 "time, same client, workloads and seeds. Output tok/s, then ITL p50 / p99 ms; the last column is "
                 "phaselab's output tok/s over the better vLLM's (>= 1.00x is the issue's target)"
-                + (", and over llama.cpp's (llama.cpp ran in the first run, `-t 2 -tb 2`)." if llama else "."), "",
+                + (", and over llama.cpp's (llama.cpp ran in the first of the three runs, `-t 2 -tb 2`)." if llama else "."), "",
                 "| workload | " + " | ".join(cols) + " | phaselab / best vLLM |" + (" phaselab / llama.cpp |" if llama else ""),
                 "|---|" + "---|" * (len(cols) + 1 + bool(llama))]
         for w in cols["phaselab"]["workloads"]:
