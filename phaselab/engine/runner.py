@@ -55,6 +55,12 @@ class ModelRunner:
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
         self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 
+    @property
+    def native_rope(self) -> bool:
+        """RoPE + K/V write in one call: every attention read comes from the cache (the prefill kernel)
+        and the elementwise glue is native. Derived, so switching either off (tests do) switches it."""
+        return self.prefill_mode is not None and self.model.native_elementwise
+
     def _decode_workspace(self, num_blocks: int) -> torch.Tensor:
         if self._workspace is None or self._workspace.shape[1] < num_blocks:
             _, _, _, bs, kvh, hd = self.kv_caches.shape
@@ -116,7 +122,7 @@ class ModelRunner:
                 sampling.append(s)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long), prefills=prefills, block_size=bs,
                                  prefill_mode=self.prefill_mode,
-                                 native_rope=self.prefill_mode is not None and self.model.native_elementwise)
+                                 native_rope=self.native_rope)
         if decode_rows:
             max_blocks = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
@@ -152,7 +158,7 @@ class ModelRunner:
             prefills=[PrefillSeq(0, n, 0, torch.tensor(block_ids, dtype=torch.long))],
             block_size=bs,
             prefill_mode=self.prefill_mode,
-            native_rope=self.prefill_mode is not None and self.model.native_elementwise,
+            native_rope=self.native_rope,
         )
         ids = torch.tensor(token_ids, dtype=torch.long)
         return self.model(ids, torch.arange(n), self.kv_caches, meta, None)

@@ -162,8 +162,9 @@ class DecoderLayer(nn.Module):
         """(mlp output, residual stream): the residual add is left to the next layer's first norm
         (and the model's final one), so each add and norm is one pass (one call when `native`).
         Same values as h + attn(norm(h)), then h + mlp(norm(h)): the adds happen in the same order."""
-        x, residual = self.input_layernorm.add_norm(None if residual is None else h, h if residual is None else residual,
-                                                    native)
+        if residual is None:  # the first layer: the embedding is the residual stream, nothing to add yet
+            h, residual = None, h
+        x, residual = self.input_layernorm.add_norm(h, residual, native)
         a = self.self_attn(x, cos, sin, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_norm(a, residual, native)
         return self.mlp(x, native), residual
@@ -214,12 +215,10 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.model.layers):
             h, residual = layer(h, residual, cos, sin, kv_caches[i], meta, native)
-        if residual is not None:
-            if logits_indices is not None:  # only the rows that sample go through the norm and LM head
-                h, residual = h[logits_indices].contiguous(), residual[logits_indices].contiguous()
-            h, _ = self.model.norm.add_norm(h, residual, native)
-        else:  # no layers
-            h = self.model.norm(h if logits_indices is None else h[logits_indices])
+        assert residual is not None, "a model has at least one layer"
+        if logits_indices is not None:  # only the rows that sample go through the norm and LM head (copies)
+            h, residual = h[logits_indices], residual[logits_indices]
+        h, _ = self.model.norm.add_norm(h, residual, native)
         logits = self.head(h) if self.head is not None else F.linear(h, self.lm_head_weight)
         return logits.float()  # (rows, vocab) fp32
 

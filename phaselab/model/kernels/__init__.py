@@ -231,6 +231,14 @@ def set_pool_spin_us(us: int) -> None:
         lib.phaselab_pool_set_spin_us(int(us))
 
 
+def _require(kernel: str) -> ctypes.CDLL:
+    """The attention/elementwise library, or a RuntimeError naming `kernel` and why it is missing."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError(f"{kernel} kernel unavailable: {_reason}")
+    return lib
+
+
 def available() -> bool:
     return _load() is not None
 
@@ -253,9 +261,7 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,  # (B, H, D) float32
 ) -> torch.Tensor:
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"paged_decode kernel unavailable: {_reason}")
+    lib = _require("paged_decode")
     B, H, D = q.shape
     _, BS, KVH, Dk = k_cache.shape
     if q.dtype != torch.float32 or Dk != D or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (torch.float32, torch.bfloat16):
@@ -295,9 +301,7 @@ def decode_rope_attend(
     the dtypes and layout once per step (`AttentionMetadata.fused_decode`), so nothing is checked
     here beyond what the C side refuses.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"paged_decode kernel unavailable: {_reason}")
+    lib = _require("paged_decode")
     B = qkv.shape[0]
     _, _, BS, KVH, D = kv_cache.shape
     out = torch.empty((B, num_heads * D), dtype=torch.bfloat16)
@@ -361,9 +365,7 @@ def prefill_attend(
     out: torch.Tensor | None = None,  # (n, H, D) bfloat16, contiguous
 ) -> torch.Tensor:
     """Causal attention of a prefill chunk over its request's whole context, read from the cache."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"prefill_attend kernel unavailable: {_reason}")
+    lib = _require("prefill_attend")
     n, H, D = q.shape
     _, _, BS, KVH, Dk = kv_cache.shape
     if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16 or Dk != D:
@@ -391,9 +393,7 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     (T, N) bfloat16, contiguous. Torch's roundings (elementwise.c); for the decoder layer's hot path,
     so shapes are the caller's to get right beyond what is checked here.
     """
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"add_rms_norm kernel unavailable: {_reason}")
+    lib = _require("add_rms_norm")
     T, N = residual.shape
     if residual.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not residual.is_contiguous() or (
             x is not None and (x.dtype != torch.bfloat16 or x.shape != residual.shape or not x.is_contiguous())):
@@ -406,9 +406,7 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """bf16 SiLU(gate) * up of a fused (T, 2N) projection, as torch rounds it: (T, N)."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"silu_mul kernel unavailable: {_reason}")
+    lib = _require("silu_mul")
     T, N2 = gate_up.shape
     if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or N2 % 2:
         raise ValueError("silu_mul: a contiguous bfloat16 (T, 2N) tensor expected")
@@ -427,9 +425,7 @@ def rope_write_kv(
 ) -> torch.Tensor:
     """RoPE of every row's q and k heads, k and v written to their cache slots: the rotated q,
     (T, H, D) bfloat16. Bit-identical to apply_rope + write_kv (paged_decode.c's rope_row)."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"rope_write_kv kernel unavailable: {_reason}")
+    lib = _require("rope_write_kv")
     T = qkv.shape[0]
     _, _, _, KVH, D = kv_cache.shape
     q = torch.empty((T, num_heads, D), dtype=torch.bfloat16)
