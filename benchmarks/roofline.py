@@ -32,6 +32,7 @@ import torch
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
+from phaselab.engine.ceilings import cpu_identity
 from phaselab.obs.cost import modeled_cost
 
 ROWS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
@@ -162,6 +163,7 @@ def measure(config, quick: bool = False, rows: list[int] | None = None, min_time
     result: dict = {"benchmark": "roofline", "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
                     "threads": torch.get_num_threads(), "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
                     "cpu_capability": torch.backends.cpu.get_cpu_capability(), "model": config.name,
+                    "machine": cpu_identity(),  # a diagnosis uses these ceilings only for runs of this CPU
                     "quick": quick, "rows": rows, "min_time_s": min_time}
     log("measuring memory bandwidth ...")
     result["bandwidth"] = bw = bandwidth(bandwidth_bytes or (1 << 28 if quick else 1 << 30), min_time)

@@ -336,6 +336,31 @@ def test_diagnose_cli_on_a_run_directory(tmp_path) -> None:
     assert main(["diagnose", str(tmp_path / "nothing-here")]) == 2
 
 
+def test_roofline_of_another_cpu_is_labeled_and_bounds_nothing(tmp_path, monkeypatch) -> None:
+    """A roofline file names the CPU it was measured on; a run made on another CPU is judged with it
+    only for scale, labeled "another CPU's", and its bandwidth is no floor on the run's fit."""
+    import phaselab.analysis.diagnose as diagnose_module
+
+    floors = []  # the bandwidth each diagnosis bounds its decode fit with (None: unbounded)
+    real = diagnose_module.account_run
+    monkeypatch.setattr(diagnose_module, "account_run", lambda *a: floors.append(a[3]) or real(*a))
+    f = tmp_path / "roofline.json"
+    isa = ["avx2", "avx512f"]
+    f.write_text(json.dumps({"bandwidth": {"read_bytes_per_s": 12.5e9}, "machine": {"cpu_model": "CPU A", "isa": isa},
+                             "bfloat16": {"gemm_flops_per_s": {"layer_mix": {"512": 3e11}}}}))
+    same, other = stall_run(), stall_run()
+    same.config["machine"] = {"cpu_model": "CPU A", "isa": list(reversed(isa))}
+    other.config["machine"] = {"cpu_model": "CPU B", "isa": isa}
+    d = diagnose(same, roofline=str(f))
+    assert d.ceilings.kind == "measured" and d.ceilings.measured and floors == [12.5e9]
+    d = diagnose(other, roofline=str(f))
+    assert d.ceilings.kind == "foreign" and not d.ceilings.measured and floors == [12.5e9, None]
+    assert d.ceilings.bandwidth_bytes_per_s == 12.5e9  # still the scale of the figures
+    note = next(n for n in d.notes if n.startswith("machine ceilings"))
+    assert "another CPU's" in note and "CPU A" in note and "CPU B" in note and "benchmarks/roofline.py" in note
+    assert "another CPU's" in diagnosis_text(d)
+
+
 def test_roofline_file_is_used_when_given(tmp_path, monkeypatch) -> None:
     f = tmp_path / "roofline.json"
     f.write_text(json.dumps({"bandwidth": {"read_bytes_per_s": 12.5e9},

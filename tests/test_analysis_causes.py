@@ -166,16 +166,18 @@ def test_decode_kv_bound(checkpoint, tmp_path):
     time is that cost times each step's history over the steps' measured time.
 
     The experiment's rounds sandwich the diagnosed run (two before, two after), so a drift of the
-    shared machine's load during the test moves both alike. A disagreement is measured once more
-    from scratch before it fails: load on a 2-core CI machine can shift by more than the tolerance
-    within a minute, a wrong attribution is wrong both times."""
+    shared machine's load during the test moves both alike. A disagreement (in the top cause or the
+    cost) is measured again from scratch, twice, before it fails: load on a 2-core CI machine can
+    shift by more than the tolerance within a minute (steps of one wave measured 100 to 155 ms),
+    a wrong attribution is wrong every time. The K/V floor counts a shared prefix's blocks once per
+    step: the experiment measured 0.66 us per history token where a floor per reader said 0.83."""
     rng = np.random.default_rng(2)
     # 3000 tokens: each sequence's K/V read per step (about 2.5 ms here) then clearly outweighs its share
     # of the weights and the per-sequence overhead (about 1.5 ms); at 1600 the two were even and the
     # ranking of decode-kv against decode-step flipped between runs
     prefix = random_prompt(rng, 3000)
     outcomes = []
-    for attempt in range(2):
+    for attempt in range(3):
         engine = _engine(checkpoint, max_model_len=4096)
         steps, ctxs = _per_history_token(engine, rng, prefix, rounds=2)
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
@@ -202,13 +204,14 @@ def test_decode_kv_bound(checkpoint, tmp_path):
               f"experiment {truth:.4f}; per history token {att.per_kv_token_s * 1e6:.3f} vs {per_token * 1e6:.3f} us "
               f"({short_s * 1e3:.1f} ms at {short_ctx:.0f} vs {long_s * 1e3:.1f} ms at {long_ctx:.0f} tokens)"
               + _shares(d))
-        assert d.top is not None and d.top.cause == "decode-kv", d.account.shares
-        # the measured cost per history token agrees with the controlled experiment within the fit's
-        # own 95% interval or 15%, whichever is wider
-        outcomes.append((abs(att.per_kv_token_s - per_token), max(att.ci[2], REL * per_token)))
-        if outcomes[-1][0] <= outcomes[-1][1]:
+        # the top cause is the K/V reads, and the measured cost per history token agrees with the
+        # controlled experiment within the fit's own 95% interval or 15%, whichever is wider
+        top = d.top.cause if d.top is not None else None
+        outcomes.append((top, abs(att.per_kv_token_s - per_token), max(att.ci[2], REL * per_token)))
+        if top == "decode-kv" and outcomes[-1][1] <= outcomes[-1][2]:
             break
-    assert outcomes[-1][0] <= outcomes[-1][1], f"(|diagnosis - experiment|, tolerance) per attempt: {outcomes}"
+    top, miss, tolerance = outcomes[-1]
+    assert top == "decode-kv" and miss <= tolerance, f"(top cause, |diagnosis - experiment|, tolerance) per attempt: {outcomes}"
 
 
 def test_stall(checkpoint, tmp_path):

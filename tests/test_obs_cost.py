@@ -123,3 +123,69 @@ def test_obs_reads_no_clock_except_the_creation_date() -> None:
                 if name in clocks:
                     calls.add((file.name, ast.unparse(func)))
     assert calls == {("rundir.py", "datetime.now")}
+
+
+def _shared_prefix_plans(prefixes, picks, block_size):
+    """Plans of a real scheduler with the prefix cache, one request arriving per step over a few
+    shared prefixes (a later one finds the earlier ones' blocks cached)."""
+    from phaselab.core.config import CacheConfig, SchedulerConfig
+    from phaselab.core.outputs import StepResult
+    from phaselab.core.request import Request
+    from phaselab.core.scheduler import Scheduler
+
+    sched = Scheduler(SchedulerConfig(policy="chunked", max_num_batched_tokens=64, max_num_seqs=8, max_model_len=128),
+                      CacheConfig(block_size=block_size, num_blocks=256, enable_prefix_caching=True))
+    heads = [[1000 * (k + 1) + j for j in range(n)] for k, n in enumerate(prefixes)]
+    for step in range(300):
+        if step < len(picks):  # each: a shared prefix, its own tail, tokens to make
+            k, own, out = picks[step]
+            prompt = heads[k % len(heads)] + [10 * step + j for j in range(own)]
+            sched.add_request(Request(f"r{step}", prompt, SamplingParams(max_tokens=out, ignore_eos=True),
+                                      max_model_len=128))
+        plan = sched.schedule()
+        if plan.is_empty and step >= len(picks):
+            break
+        yield plan
+        sched.update(plan, StepResult(plan.iteration_id, {e.request_id: 7 for e in plan.scheduled if e.sample}))
+    assert not sched.has_unfinished_requests()
+
+
+def _slot_rereads(plan, block_size) -> int:
+    """The independent count: each K/V slot an entry reads, looked up in the physical (block,
+    offset) it lives in; a slot an earlier entry of the plan read counts once per re-read."""
+    slots_read: set[tuple[int, int]] = set()
+    repeats = 0
+    for e in plan.scheduled:
+        for p in range(e.start_position + (1 if len(e.token_ids) == 1 else 0)):
+            slot = (e.block_ids[p // block_size], p % block_size)
+            repeats += slot in slots_read
+            slots_read.add(slot)
+    return repeats
+
+
+@settings(max_examples=25, deadline=None)
+@given(prefixes=st.lists(st.integers(0, 40), min_size=1, max_size=3),
+       picks=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9), st.integers(1, 6)), min_size=2, max_size=8),
+       block_size=st.sampled_from([2, 4, 8]))
+def test_repeated_kv_reads_match_a_count_of_physical_slots(prefixes, picks, block_size) -> None:
+    """kv_repeat_read_bytes (a shared prefix's re-reads within one step) equals a count of the
+    physical slots the plan's entries read, and never exceeds what is read."""
+    from phaselab.obs.cost import CostFormulas
+
+    formulas = CostFormulas(tiny(True), 2)
+    for plan in _shared_prefix_plans(prefixes, picks, block_size):
+        cost = formulas.of_plan(plan)
+        assert cost.kv_repeat_read_bytes == _slot_rereads(plan, block_size) * formulas.kv_bytes_per_token, plan
+        assert 0 <= cost.kv_repeat_read_bytes <= cost.kv_read_bytes
+
+
+def test_decodes_over_a_cached_prefix_reread_it() -> None:
+    """Four requests over one 24-token prefix, arriving a step apart: once they decode together,
+    three of them re-read the prefix's six full blocks each step; the first-block grouping misses none."""
+    from phaselab.obs.cost import CostFormulas
+
+    formulas = CostFormulas(tiny(True), 2)
+    plans = list(_shared_prefix_plans([24], [(0, 3, 12)] * 4, 4))
+    rereads = [formulas.of_plan(p).kv_repeat_read_bytes // formulas.kv_bytes_per_token for p in plans]
+    assert rereads == [_slot_rereads(p, 4) for p in plans]
+    assert max(rereads) == 3 * 24  # three later readers x the six shared blocks x 4 tokens

@@ -141,7 +141,7 @@ def test_files_and_labelled_fields(tmp_path) -> None:
     assert "modeled" not in its[0]
     assert {k for k in its[0] if k.startswith("modeled_")} == {
         "modeled_weight_bytes", "modeled_kv_read_bytes", "modeled_kv_write_bytes", "modeled_matmul_flops",
-        "modeled_attention_flops", "modeled_total_bytes", "modeled_flops"}
+        "modeled_attention_flops", "modeled_kv_repeat_read_bytes", "modeled_total_bytes", "modeled_flops"}
     assert its[0]["chunks"] == [{"request_id": "a", "num_tokens": 4, "is_prefill": True, "context_len": 4}]
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert validate_trace(trace) == []

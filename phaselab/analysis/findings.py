@@ -166,7 +166,7 @@ def _prefill_finding(d: Diagnosis) -> Finding:
         ev.append(f"prefill-only iterations: {p.tokens_per_s:.0f} tokens/s; MODELED "
                   f"{fmt.rate(p.achieved_flops, 'FLOP/s')}"
                   f" = {fmt.pct((p.achieved_flops or 0) / gemm)} of {_ceiling_owner(d)} GEMM rate "
-                  f"({d.ceilings.kind} {fmt.rate(gemm, 'FLOP/s')})")
+                  f"({d.ceilings.adjective} {fmt.rate(gemm, 'FLOP/s')})")
     if p.mean_chunks:
         ev.append(f"chunks per prompt: {p.mean_chunks:.1f}; waits between chunks {fmt.pct(p.wait_share_of_ttft)} "
                   "of TTFT")
@@ -216,7 +216,7 @@ def _transfer_finding(d: Diagnosis) -> Finding:
           f"achieved bandwidth {fmt.rate(x.bandwidth)} (bytes / transfer time); "
           + (f"link {d.ceilings.link_name}: {fmt.rate(d.ceilings.link_bandwidth_bytes_per_s)} per direction between "
              f"a prefill and a decode engine (simulated)" if d.ceilings.link_bandwidth_bytes_per_s else
-             f"machine memory bandwidth {fmt.rate(d.ceilings.bandwidth_bytes_per_s)} ({d.ceilings.kind})"),
+             f"machine memory bandwidth {fmt.rate(d.ceilings.bandwidth_bytes_per_s)} ({d.ceilings.adjective})"),
           f"waiting for the transport: p50 {fmt.s(x.transfer_queue_p50_s)}; decode admission wait p50 "
           f"{fmt.s(x.admission_wait_p50_s)}, p99 {fmt.s(x.admission_wait_p99_s)}",
           f"transfer share of TTFT {fmt.pct(x.share_of_ttft)}; of the gap after the first token "
@@ -328,7 +328,7 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
     if x.bandwidth_p50:
         frac = x.bandwidth_p50 / bw
         ev.append(f"achieved bandwidth p50 {fmt.rate(x.bandwidth_p50)} = {fmt.pct(frac)} of {_ceiling_owner(d)} "
-                  f"{fmt.rate(bw)} ({d.ceilings.kind})"
+                  f"{fmt.rate(bw)} ({d.ceilings.adjective})"
                   + (" — a memory-bound signature" if frac > 0.5 else
                      " — well below the memory roof: per-step overheads and compute dominate"))
     for w, att in sorted(d.account.attribution.items()):
@@ -418,7 +418,7 @@ def _decode_step_finding(d: Diagnosis) -> Finding:
              f"within +20% (now {fmt.s(d.summary.itl_p50_s)})")
     verdict = (f"decode steps at their per-step cost: p50 {fmt.s(x.step_p50_s if x else None)}, weights "
                f"{fmt.nbytes(weights)} per step (floor at {_ceiling_owner(d)}"
-               f"{'' if d.ceilings.kind == 'simulated' else ' ' + d.ceilings.kind} bandwidth {fmt.s(floor)})")
+               f"{'' if d.ceilings.kind == 'simulated' else ' ' + d.ceilings.adjective} bandwidth {fmt.s(floor)})")
     return _f("decode-step", KeyFigure("decode step p50", (x.step_p50_s or 0.0) if x else 0.0, "s"), verdict,
               _decode_evidence(d), change, check)
 

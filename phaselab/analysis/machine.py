@@ -27,13 +27,20 @@ class Ceilings:
     bandwidth_bytes_per_s: float  # what decode steps are judged against (simulated: a decode engine's GPUs)
     gemm_flops_per_s: float  # what prefill is judged against (simulated: a prefill engine's GPUs)
     source: str  # the file read, "assumed default", or the simulated hardware
-    kind: str = "measured"  # "measured" | "assumed" | "simulated"
+    kind: str = "measured"  # "measured" | "foreign" (another CPU's) | "assumed" | "simulated"
     link_name: str | None = None  # simulated disaggregation: the KV transfer link
     link_bandwidth_bytes_per_s: float | None = None  # one engine pair's share of it, per direction
 
     @property
     def measured(self) -> bool:
-        return self.kind != "assumed"
+        """Measured on the run's own kind of CPU (or the simulated hardware's datasheet): figures
+        may be bounded by them."""
+        return self.kind in ("measured", "simulated")
+
+    @property
+    def adjective(self) -> str:
+        """The kind, as a figure's qualifier: "measured 28 GB/s", "another CPU's 28 GB/s"."""
+        return "another CPU's" if self.kind == "foreign" else self.kind
 
     @property
     def where(self) -> str:
@@ -43,6 +50,9 @@ class Ceilings:
     def label(self) -> str:
         if self.kind == "simulated":
             return f"simulated hardware: {self.source}"
+        if self.kind == "foreign":
+            return (f"another CPU's ({self.source}); run benchmarks/roofline.py on the run's machine for its own, "
+                    f"or pass --roofline FILE")
         return f"measured ({self.source})" if self.measured else (
             f"assumed default ({DEFAULT_BANDWIDTH_BYTES_PER_S / 1e9:.0f} GB/s, "
             f"{DEFAULT_GEMM_FLOPS_PER_S / 1e9:.0f} GFLOP/s; run benchmarks/roofline.py for this machine's)")
@@ -86,7 +96,24 @@ def _candidates(explicit: str | None) -> list[Path]:
     return out
 
 
-def load_ceilings(path: str | None = None, dtype: str = "bfloat16") -> Ceilings:
+def other_cpu(file_machine: dict[str, Any] | None, run_machine: dict[str, Any] | None) -> str | None:
+    """Why a roofline file's ceilings are not those of the CPU that made a run (None: the same CPU
+    model and ISA flags, or either side does not name its CPU: nothing to compare)."""
+    if not file_machine or not run_machine or not file_machine.get("cpu_model") or not run_machine.get("cpu_model"):
+        return None
+    fcpu, rcpu = file_machine["cpu_model"], run_machine["cpu_model"]
+    fisa, risa = file_machine.get("isa"), run_machine.get("isa")
+    if fcpu != rcpu or (fisa is not None and risa is not None and set(fisa) != set(risa)):
+        return (f"measured on {fcpu} ({', '.join(fisa or []) or 'ISA not recorded'}), the run on {rcpu} "
+                f"({', '.join(risa or []) or 'ISA not recorded'})")
+    return None
+
+
+def load_ceilings(path: str | None = None, dtype: str = "bfloat16",
+                  machine: dict[str, Any] | None = None) -> Ceilings:
+    """The first roofline file found (module docstring). `machine`: the run's CPU (config.json's
+    "machine"); a file measured on another CPU is kept for scale but marked "foreign": its figures
+    are labeled so and never bound a fit (another CPU's bandwidth is no floor on this one's)."""
     for p in _candidates(path):
         if p.is_file():
             try:
@@ -94,9 +121,12 @@ def load_ceilings(path: str | None = None, dtype: str = "bfloat16") -> Ceilings:
                 bw = float(data["bandwidth"]["read_bytes_per_s"])
                 mix = (data.get(dtype) or data.get("bfloat16") or {}).get("gemm_flops_per_s", {}).get("layer_mix", {})
                 gemm = float(max(mix.values())) if mix else DEFAULT_GEMM_FLOPS_PER_S
-                return Ceilings(bw, gemm, str(p), "measured")
             except (KeyError, ValueError, TypeError, json.JSONDecodeError):
                 continue
+            why = other_cpu(data.get("machine"), machine)
+            if why:
+                return Ceilings(bw, gemm, f"{p}, {why}", "foreign")
+            return Ceilings(bw, gemm, str(p), "measured")
         elif path and p == Path(path):
             raise FileNotFoundError(f"roofline file {path} does not exist (write one with benchmarks/roofline.py)")
     return Ceilings(DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_GEMM_FLOPS_PER_S, "assumed default", "assumed")

@@ -51,6 +51,7 @@ class SchedulerOutput:
     num_free_blocks: int = 0
     num_used_blocks: int = 0
     budget: BudgetDecision | None = None  # the adaptive prefill budget's decision (slo_tbt_ms), else None
+    block_size: int = 0  # tokens per KV block (0: not known, e.g. a synthetic plan; no shared-read count)
 
     @property
     def is_empty(self) -> bool:

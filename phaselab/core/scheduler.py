@@ -232,7 +232,7 @@ class Scheduler:
         without it (or without a target) the order is FCFS."""
         assert not self._in_flight, "schedule() called before update() of the previous plan"
         self.iteration_id += 1
-        plan = SchedulerOutput(iteration_id=self.iteration_id)
+        plan = SchedulerOutput(iteration_id=self.iteration_id, block_size=self.cache_config.block_size)
         budget = self._prefill_left = self.scheduler_config.max_num_batched_tokens
         self._time_left = None
         self._yielding = self._order_prefills(now)

@@ -244,6 +244,9 @@ class ModeledCost:
     kv_write_bytes: int = 0
     matmul_flops: int = 0
     attention_flops: int = 0
+    # of kv_read_bytes: re-reads of a block an earlier entry of the same iteration read (a prefix
+    # several requests share through the prefix cache); a cache serves them, memory moves them once
+    kv_repeat_read_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:

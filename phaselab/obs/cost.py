@@ -19,6 +19,9 @@ docs/metrics.md has the same with a worked example):
     kv_read_bytes  = kv_bytes_per_token x sum over entries of
                         start + 1   one-token entry (decode): its whole context, incl. the K/V it wrote
                         start       multi-token chunk: the prefix before it (its own K/V stay on chip)
+    kv_repeat_read_bytes = kv_bytes_per_token x block_size x the re-reads, among those, of a block an
+                     earlier entry of the plan reads too (a shared prefix: memory moves it once per
+                     iteration, so a bandwidth floor counts kv_read_bytes - kv_repeat_read_bytes)
     matmul_flops   = 2 x T x L x linear_macs_per_layer + 2 x sampled_rows x h x vocab
     attention_flops = L x 4 x num_heads x head_dim x sum over entries of keys attended,
                         keys(n tokens at start s) = n x s + n(n+1)/2  (causal; n = 1: s + 1)
@@ -56,6 +59,7 @@ class PlanCounts:
     num_decodes: int = 0  # single-token entries
     decode_keys: int = 0  # of keys_attended and kv_tokens_read: the decodes' (each its context)
     chunks: tuple[tuple[int, int], ...] = ()  # (num_tokens, start_position) of each prefill chunk (its shape)
+    kv_tokens_repeated: int = 0  # of kv_tokens_read: in blocks an earlier entry of the plan reads too
 
 
 def plan_counts(plan: SchedulerOutput) -> PlanCounts:
@@ -77,7 +81,33 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
             keys += keys_attended(n, s)
             shapes.append((n, s))
     return PlanCounts(len(plan.scheduled), chunks, num_tokens, num_sampled, kv_read, keys, decodes, decode_keys,
-                      tuple(shapes))
+                      tuple(shapes), repeated_kv_tokens(plan))
+
+
+def repeated_kv_tokens(plan: SchedulerOutput) -> int:
+    """Tokens of K/V the plan's entries read from a block an earlier entry reads too. A block is
+    shared only through the prefix cache (or a fork), and a shared block is full and leads every
+    table that holds it (its hash chains from the first block), so entries whose first blocks
+    differ share nothing: only groups with a common first block are counted, block by block."""
+    size = plan.block_size
+    if size <= 0 or len(plan.scheduled) < 2:
+        return 0
+    groups: dict[int, list] = {}
+    for e in plan.scheduled:
+        if e.block_ids:
+            groups.setdefault(e.block_ids[0], []).append(e)
+    repeated = 0
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        seen: set[int] = set()
+        for e in group:
+            read = e.start_position + (1 if len(e.token_ids) == 1 else 0)  # as kv_tokens_read counts
+            blocks = e.block_ids[:read // size]  # full blocks only: a partial one is its own
+            before = len(seen)
+            seen.update(blocks)
+            repeated += (len(blocks) - (len(seen) - before)) * size
+    return repeated
 
 
 def elementwise_elements_per_token(config: ModelConfig, tp: int = 1) -> dict[str, int]:
@@ -158,6 +188,7 @@ class CostFormulas:
             kv_write_bytes=self.kv_bytes_per_token * c.num_tokens,
             matmul_flops=self.linear_flops_per_token * c.num_tokens + self.head_flops_per_row * c.num_sampled,
             attention_flops=self.attention_flops_per_key * c.keys_attended,
+            kv_repeat_read_bytes=self.kv_bytes_per_token * c.kv_tokens_repeated,
         )
 
     def of_plan(self, plan: SchedulerOutput) -> ModeledCost:
