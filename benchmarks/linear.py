@@ -4,7 +4,8 @@ Three sections, one JSON (`benchmarks/results/linear.json` by default), naming t
 
 1. `rows`: one pass over every linear layer of the bundled model (30 x qkv/o/gate_up/down, and
    the LM head) at 1, 2, 4, 8, 16, 32 activation rows, for each path: the native kernel over
-   Q4_1 blocks (the file's own), over dense bf16 and fp32 rows, torch's F.linear (oneDNN/MKL)
+   Q4_1 blocks (the file's own, and re-laid as Q4_1X for bf16 activations where the CPU has
+   AVX512-BF16), over dense bf16 and fp32 rows, torch's F.linear (oneDNN/MKL)
    on dense bf16 and fp32, and Q4_1 widened per layer into a tile + torch's GEMM. GB/s = bytes of
    the weights as that path stores them / time. Paths are timed back to back in one process.
 2. `decode`: the engine's decode step at batch 1 (512-token context) for each path, in ms and
@@ -12,8 +13,9 @@ Three sections, one JSON (`benchmarks/results/linear.json` by default), naming t
    benchmarks/roofline.py's bandwidth()); also against the 16-bit floor (bf16 weights).
 3. `prefix`: a 2000-token prefill cold vs after a 16-token prefix-cache hit, ms per new token.
 4. `batched`: decode step time at --batches (default 1 8 32; 512-token contexts) for each of
-   --configs, DTYPE/PATH[+BATCHED] (PATH forced by PHASELAB_LINEAR, `auto` = the start-up probe's
-   choice; BATCHED = tile | resident forced by PHASELAB_BATCHED), engines taking turns round by
+   --configs, DTYPE/PATH[+BATCHED][:q4x0] (PATH forced by PHASELAB_LINEAR, `auto` = the start-up
+   probe's choice; BATCHED = tile | resident forced by PHASELAB_BATCHED; `:q4x0` keeps Q4_1 in the
+   file's layout, PHASELAB_Q4_REPACK=0, instead of Q4_1X), engines taking turns round by
    round. The context is prefilled once per engine and its K/V copied into each batch
    (benchmarks/engine.py's PhaselabDecode), so a round costs no prefill. Beside the wall time, the
    process's CPU time per step (both threads): with the machine shared, it leaves out the time
@@ -111,6 +113,10 @@ def run_rows(layers: list[PackedTensor], reps: int) -> dict[str, Any]:
                 for p, o in zip(layers, outs):
                     qlinear.linear(p.fmt, p.data, p.shape[0], p.shape[1], xs[p.shape[1]], o, scratch)
 
+            def native_relaid() -> None:  # as a resident-GEMM layer keeps them (qlinear.native_format)
+                for p, o in zip(relaid, outs):
+                    qlinear.linear(p.fmt, p.data, p.shape[0], p.shape[1], xs[p.shape[1]], o, scratch)
+
             q_bytes = sum(p.nbytes for p in layers)
             paths = {
                 "native Q4_1 (+Q8_0 head)": (native_stored, q_bytes),
@@ -121,6 +127,11 @@ def run_rows(layers: list[PackedTensor], reps: int) -> dict[str, Any]:
                                 act.itemsize * sum(d.numel() for d in dense["F32"])),
                 "Q4_1 tile + torch GEMM": (tiled, q_bytes),
             }
+            relaid = [p if qlinear.native_format(p.fmt, act) == p.fmt else PackedTensor(
+                qlinear.native_format(p.fmt, act), qlinear.repack(qlinear.native_format(p.fmt, act), p.data, *p.shape),
+                p.shape) for p in layers]
+            if any(r is not p for r, p in zip(relaid, layers)):
+                paths["native Q4_1X (+Q8_0 head)"] = (native_relaid, q_bytes)
             row: dict[str, Any] = {"load_avg_before": os.getloadavg()[0]}
             for name, (fn, nbytes) in paths.items():
                 t = best_time(fn, reps)
@@ -189,8 +200,10 @@ def batched_engine(cfg: str) -> Any:
     from phaselab.engine.engine import LLMEngine
 
     dtype, _, rest = cfg.partition("/")
+    rest, _, option = rest.partition(":")  # ":q4x0": Q4_1 blocks kept in the file's layout
     path, _, batched = rest.partition("+")
-    env = {"PHASELAB_LINEAR": path if path != "auto" else None, "PHASELAB_BATCHED": batched or None}
+    env = {"PHASELAB_LINEAR": path if path != "auto" else None, "PHASELAB_BATCHED": batched or None,
+           qlinear.REPACK_ENV: "0" if option == "q4x0" else None}
     saved = {k: os.environ.pop(k, None) for k in env}
     os.environ.update({k: v for k, v in env.items() if v})
     try:

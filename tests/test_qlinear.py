@@ -157,3 +157,99 @@ def test_requantized_q8_0_equals_gguf_quantizer():
     ours = quantize_q8_0(torch.from_numpy(w)).numpy()
     theirs = np.asarray(quants.quantize(w, GGMLQuantizationType.Q8_0)).reshape(13, -1)
     assert np.array_equal(ours, theirs)
+
+
+# -- Q4_1X: Q4_1 re-laid at load for vdpbf16ps (bf16 activations, AVX512-BF16) ---------------------
+needs_dp = pytest.mark.skipif(not qlinear.features()["avx512_bf16_dot"],
+                              reason="this CPU (or compiler) lacks AVX512-BF16: the Q4_1X kernel is not built")
+# K of 1, 3, 16, 17, 18 and 37 blocks: no full group, full groups only, groups and a tail
+X_SHAPES = ((13, 32), (37, 96), (21, 512), (19, 544), (37, 576), (9, 1184))
+
+
+@pytest.mark.parametrize(("n", "k"), X_SHAPES)
+def test_q4_1x_layout_round_trips_and_widens_exactly(n, k):
+    """The C repack, undone by an independent torch reading of the documented layout, gives back
+    the file's bytes; the C and torch widenings of the re-laid rows equal gguf-py's dequantization."""
+    from phaselab.model.quant import unpack_q4_1x
+
+    packed, ref = _gguf_packed("Q4_1", n, k, seed=k)
+    x = qlinear.repack("Q4_1X", packed.data, n, k)
+    assert x.shape == packed.data.shape
+    assert torch.equal(x, packed.data) == (k < 512)  # fewer than 16 blocks: all tail, as stored
+    assert torch.equal(unpack_q4_1x(x, k), packed.data)
+    assert torch.equal(dequantize_blocks("Q4_1X", x, (n, k)).double(), ref)
+    for act in (torch.float32, torch.bfloat16):
+        out = torch.empty(n, k, dtype=act)
+        qlinear.dequant("Q4_1X", x, n, k, out)
+        assert torch.equal(out, ref.to(act))
+        ids = torch.tensor([[n - 1, 0], [2, 2]])
+        assert torch.equal(PackedEmbedding(PackedTensor("Q4_1X", x, (n, k)), act)(ids), ref.to(act)[ids])
+
+
+@needs_dp
+@pytest.mark.parametrize(("n", "k"), X_SHAPES)
+def test_q4_1x_kernel_matches_float64_reference(n, k):
+    """bf16 activations at 1..64 rows (1..8 per pass, then again), float32 and bf16 outputs, with a
+    bias: within the float32 bound of a K-term sum (the 128 + q offset included, see qlinear.c)."""
+    packed, ref = _gguf_packed("Q4_1", n, k, seed=k + 1)
+    x4 = qlinear.repack("Q4_1X", packed.data, n, k)
+    bias = torch.randn(n)
+    for m in ROWS:
+        x = _x(m, k, torch.bfloat16, seed=m)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = torch.empty(m, n, dtype=out_dtype)
+            qlinear.linear("Q4_1X", x4, n, k, x, y, torch.empty(m * k), bias)
+            _check(y, x, ref, bias, f"Q4_1X ({n}x{k}) at {m} rows -> {out_dtype}")
+
+
+@needs_dp
+def test_q4_1x_refuses_float32_activations():
+    """The layout exists for vdpbf16ps: float32 activations get an error, not a silent rounding."""
+    packed, _ = _gguf_packed("Q4_1", 8, 64, seed=9)
+    x4 = qlinear.repack("Q4_1X", packed.data, 8, 64)
+    with pytest.raises(RuntimeError, match="unsupported"):
+        qlinear.linear("Q4_1X", x4, 8, 64, _x(1, 64, torch.float32), torch.empty(1, 8), torch.empty(64))
+
+
+@pytest.mark.parametrize(("n", "k"), X_SHAPES)
+def test_q4_1x_widens_in_kernel_order_exactly(n, k):
+    """The tile GEMM's widening writes Q4_1X rows with their columns in `kernel_order`: put back in
+    the file's order they are the reference rounded to the output dtype, bit for bit."""
+    packed, ref = _gguf_packed("Q4_1", n, k, seed=k + 2)
+    x4 = qlinear.repack("Q4_1X", packed.data, n, k)
+    order = qlinear.kernel_order("Q4_1X", k)
+    assert sorted(order.tolist()) == list(range(k))  # a permutation of the columns
+    for m in (1, 3, 40):  # the C permutation of activations is torch's indexing by that order
+        x = _x(m, k, torch.bfloat16, seed=m)
+        assert torch.equal(qlinear.to_kernel_order("Q4_1X", x), x.index_select(1, order))
+    for act in (torch.float32, torch.bfloat16):
+        out = qlinear.dequant_kernel_order("Q4_1X", x4, n, k, torch.empty(n, k, dtype=act))
+        back = torch.empty_like(out)
+        back[:, order] = out
+        assert torch.equal(back, ref.to(act)), act
+
+
+@needs_dp
+@pytest.mark.parametrize("batched", ["resident", "tile"])
+def test_layer_re_lays_q4_1_for_bf16(batched, monkeypatch):
+    """A bf16 layer keeps its Q4_1 blocks as Q4_1X whether its GEMM reads a resident dense copy or
+    widens a tile per call (in the layout's column order, its activations permuted to match), and
+    PHASELAB_Q4_REPACK=0 keeps Q4_1; every way, the layer computes the reference at every row count,
+    the tile in one piece and in row chunks."""
+    from phaselab.model import linear
+
+    n, k = 45, 576
+    packed, ref = _gguf_packed("Q4_1", n, k, seed=11)
+    bias = torch.randn(n)
+    for env, want in (("1", "Q4_1X"), ("0", "Q4_1")):
+        monkeypatch.setenv(qlinear.REPACK_ENV, env)
+        layer = PackedLinear(packed, bias, torch.bfloat16, max_native_rows=8, workspace=Workspace(torch.bfloat16),
+                             batched=batched)
+        assert layer.packed.fmt == want and layer.packed.nbytes == packed.nbytes
+        for tile_elements in (linear.TILE_ELEMENTS, 7 * k):
+            monkeypatch.setattr(linear, "TILE_ELEMENTS", tile_elements)
+            for m in (1, 5, 8, 9, 33):
+                x = _x(m, k, torch.bfloat16, seed=300 + m)
+                w = ref if m <= 8 else ref.to(torch.bfloat16).double()
+                b = bias if m <= 8 else bias.to(torch.bfloat16)
+                _check(layer(x), x, w, b, f"{batched} layer ({want}, tile {tile_elements}) at {m} rows")

@@ -88,12 +88,18 @@ def test_resident_batched_gemm_matches_dequantized_fp32(tmp_path, monkeypatch, d
     assert summary["resident_bytes"] > 0 and summary["memory_bytes"] == summary["weight_bytes"] + summary["resident_bytes"]
     packed = [m for m in eng.executor.model.modules() if isinstance(m, PackedLinear)]
     assert all(m.direct is not None for m in packed)
-    for m in packed:
-        m.max_native_rows = 0  # every row through the GEMM on the resident copy
-    got = eng.score(tokens)
-    tol = 2e-4 if dtype == "float32" else 0.1
-    err = (got - want).abs().max().item()
-    assert err <= tol * want.abs().max().item(), f"resident/{dtype}: max logit error {err}"
+    # beside a dense copy, bf16 layers keep Q4_1 (the fused gate/up here) re-laid for vdpbf16ps
+    x_layers = sum(m.packed.fmt == "Q4_1X" for m in packed)
+    assert x_layers == (sum(m.packed.fmt in ("Q4_1", "Q4_1X") for m in packed)
+                        if dtype == "bfloat16" and qlinear.features()["avx512_bf16_dot"] else 0)
+    assert summary["kernel_layouts"] == ({"Q4_1X": x_layers} if x_layers else {})
+    for native_rows in (0, 10**6):  # every row through the GEMM on the resident copy, then the kernel
+        for m in packed:
+            m.max_native_rows = native_rows
+        got = eng.score(tokens)
+        tol = 2e-4 if dtype == "float32" else 0.1
+        err = (got - want).abs().max().item()
+        assert err <= tol * want.abs().max().item(), f"resident/{dtype}/native<={native_rows}: max logit error {err}"
     monkeypatch.setenv("PHASELAB_BATCHED", "dense")
     with pytest.raises(Exception, match="PHASELAB_BATCHED"):
         _engine(gguf_path, dtype=dtype)
@@ -211,3 +217,34 @@ def test_bundled_teacher_forced_top1(engines):
     agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert agree >= 0.995, f"teacher-forced top-1 agreement {agree:.4f}"
     assert (got - want).abs().max().item() < 1e-2
+
+
+@pytest.mark.skipif(not qlinear.features()["avx512_bf16_dot"], reason="this CPU lacks AVX512-BF16: no Q4_1X kernel")
+def test_bundled_q4_1x_matches_dequantized_references(bundled_path, monkeypatch):
+    """The bundled model in bf16 with its Q4_1 blocks re-laid as Q4_1X (beside a resident dense
+    copy for the GEMM), every position through the kernel, teacher-forced on a long document.
+    Against the dequantized fp32 model, bf16 activations alone cost top-1 agreement (torch's
+    dequantized bf16 model measured 99.33% here, as did Q4_1X and the Q4_1 kernel 99.25%): Q4_1X
+    must agree with fp32 as well as torch's bf16 model does, within 0.3 points, and with torch's
+    bf16 model at >= 99%. (Greedy runs are not compared: two bf16 models round differently, here
+    the exact Q4_1 weights against their bf16 roundings, and part at a bf16 logit step, 0.25.)"""
+    monkeypatch.delenv("PHASELAB_LINEAR", raising=False)
+    monkeypatch.setenv("PHASELAB_BATCHED", "resident")
+    args = {"kv_cache_memory": "256MiB", "max_model_len": 2048}
+    q = LLMEngine(EngineArgs(dtype="bfloat16", weights="quantized", **args))
+    bf16 = LLMEngine(EngineArgs(dtype="bfloat16", weights="dequantized", **args))
+    fp32 = LLMEngine(EngineArgs(dtype="float32", weights="dequantized", **args))
+    assert q.linear_summary["kernel_layouts"].get("Q4_1X", 0) > 0, q.linear_summary
+    prompts = make_prompts(q.tokenizer)
+    seq = prompts[-1][:1200]
+    layers = [m for m in q.executor.model.modules() if isinstance(m, PackedLinear)]
+    for m in layers:
+        m.max_native_rows = 10**6
+    got = q.score(seq).argmax(-1)
+    for m in layers:
+        m.max_native_rows = q.linear.max_native_rows
+    want32, want16 = fp32.score(seq).argmax(-1), bf16.score(seq).argmax(-1)
+    agree32 = (got == want32).float().mean().item()
+    torch_bf16 = (want16 == want32).float().mean().item()
+    agree16 = (got == want16).float().mean().item()
+    assert agree32 >= torch_bf16 - 0.003 and agree16 >= 0.99, (agree32, torch_bf16, agree16)

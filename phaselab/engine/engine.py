@@ -158,6 +158,7 @@ class LLMEngine:
         weights = dict(ckpt.weights)  # install() swaps entries; a shared checkpoint stays as loaded
         self.linear_summary = install_linear(model, weights, self.linear.path, self.dtype, self.linear.max_native_rows,
                                              self.linear.batched)
+        self.linear.layouts = dict(self.linear_summary.get("kernel_layouts") or {})
         model = model.to_empty(device="cpu").to(self.dtype)
         model.rotary.__init__(ckpt.config, max_model_len)  # buffers were on the meta device
         model.load_weights(weights, source=ckpt.path)

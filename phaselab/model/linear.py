@@ -3,7 +3,8 @@
 Four paths run a model's linear layers (`PATHS`):
 
     q      GGUF blocks kept as in the file (Q4_0/Q4_1/Q8_0; K-quants re-quantized to Q8_0),
-           dequantized in registers by kernels/qlinear.c for small row counts
+           dequantized in registers by kernels/qlinear.c for small row counts (Q4_1 re-laid
+           at load as Q4_1X for vdpbf16ps with bf16 activations: qlinear.native_format)
     bf16   weights as dense bf16 rows, the same native kernel (vdpbf16ps on bf16 activations
            where the CPU has AVX512-BF16, FMA on widened weights otherwise)
     fp32   weights as dense fp32 rows, the same native kernel
@@ -86,6 +87,14 @@ class PackedLinear(nn.Module):
             n, k = packed.shape
             self.direct = qlinear.dequant(packed.fmt, packed.data, n, k, torch.empty((n, k), dtype=act_dtype))
             self.resident_bytes = self.direct.numel() * self.direct.element_size()
+        # The blocks in the layout the small-row kernel reads fastest (Q4_1 -> Q4_1X for bf16
+        # activations with AVX512-BF16); the tile GEMM then widens them in that layout's column
+        # order and permutes its activations to match (qlinear.kernel_order).
+        layout = qlinear.native_format(packed.fmt, act_dtype)
+        if layout != packed.fmt:
+            n, k = packed.shape
+            self.packed = PackedTensor(layout, qlinear.repack(layout, packed.data, n, k), packed.shape,
+                                       packed.source_fmt)
 
     def extra_repr(self) -> str:
         batched = "direct" if self.resident_bytes == 0 and self.direct is not None else (
@@ -111,17 +120,27 @@ class PackedLinear(nn.Module):
     def _tiled_gemm(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.packed.shape
         chunk = max(1, min(n, TILE_ELEMENTS // k))
-        data = self.packed.data
+        fmt, data = self.packed.fmt, self.packed.data
+        order = qlinear.kernel_order(fmt, k)
+        if order is not None:  # the tile's columns come in the layout's order: so do x's
+            x = qlinear.to_kernel_order(fmt, x.contiguous())
+
+        def widen(rows_data: torch.Tensor, rows: int, tile: torch.Tensor) -> None:
+            if order is None:
+                qlinear.dequant(fmt, rows_data, rows, k, tile)
+            else:
+                qlinear.dequant_kernel_order(fmt, rows_data, rows, k, tile)
+
         if chunk >= n:
             tile = self.ws.tile(n * k).view(n, k)
-            qlinear.dequant(self.packed.fmt, data, n, k, tile)
+            widen(data, n, tile)
             return F.linear(x.to(tile.dtype), tile, self.bias_act).to(x.dtype)
         out = torch.empty((x.shape[0], n), dtype=x.dtype)
         xa = x.to(self.ws.act_dtype)
         for n0 in range(0, n, chunk):
             rows = min(chunk, n - n0)
             tile = self.ws.tile(rows * k).view(rows, k)
-            qlinear.dequant(self.packed.fmt, data[n0:n0 + rows], rows, k, tile)
+            widen(data[n0:n0 + rows], rows, tile)
             bias = None if self.bias_act is None else self.bias_act[n0:n0 + rows]
             out[:, n0:n0 + rows] = F.linear(xa, tile, bias)
         return out
@@ -203,6 +222,7 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         return {"path": "torch", "weight_bytes": sum(w.numel() * w.element_size() for w in weights.values())}
     ws = Workspace(act_dtype)
     formats: dict[str, int] = {}
+    layouts: dict[str, int] = {}  # blocks re-laid for the small-row kernel (qlinear.native_format)
     total = resident = 0
     for module_path, names, bias_suffix in _linear_names(config):
         packed = _fuse([_as_format(weights[n + ".weight"], path, act_dtype) for n in names], path, act_dtype)
@@ -213,6 +233,8 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         layer = PackedLinear(packed, bias, act_dtype, max_native_rows, ws, batched)
         setattr(model.get_submodule(parent_name), attr, layer)
         formats[packed.fmt] = formats.get(packed.fmt, 0) + 1
+        if layer.packed.fmt != packed.fmt:
+            layouts[layer.packed.fmt] = layouts.get(layer.packed.fmt, 0) + 1
         total += packed.nbytes + (0 if bias is None else bias.numel() * 4)
         resident += layer.resident_bytes
     embed = _as_format(weights["model.embed_tokens.weight"], path, act_dtype)
@@ -224,12 +246,17 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         model.lm_head = None  # its weight lives in the packed head below
     model.head = PackedLinear(head_source, None, act_dtype, max_native_rows, ws, batched)
     resident += model.head.resident_bytes
+    if model.head.packed is not head_source:
+        layouts[model.head.packed.fmt] = layouts.get(model.head.packed.fmt, 0) + 1
+        if config.tie_word_embeddings:  # one table: the lookup widens the re-laid rows (C, per row)
+            model.model.embed_tokens.packed = model.head.packed
     formats[embed.fmt] = formats.get(embed.fmt, 0) + 1
     dense = sum(w.numel() * act_dtype.itemsize for w in weights.values()
                 if isinstance(w, torch.Tensor) and w.dim() == 1)
     return {
         "path": path,
         "formats": formats,
+        "kernel_layouts": layouts,
         "max_native_rows": max_native_rows,
         "batched": batched,
         "weight_bytes": total + dense,

@@ -61,7 +61,7 @@ BATCHED_ROWS = 32  # the batched decode row count the resident-vs-tile and dtype
 BATCHED_ENV = "PHASELAB_BATCHED"
 TIE = 1.25  # a path within this factor of the fastest counts as tied; the smallest storage wins
 DTYPE_TIE = 1.10
-_PROBE_VERSION = 4
+_PROBE_VERSION = 5
 
 
 @dataclass
@@ -73,6 +73,7 @@ class LinearDecision:
     probe: dict[str, Any] = field(default_factory=dict)  # measured figures (auto) or {}
     cpu: dict[str, Any] = field(default_factory=dict)
     dtype_reason: str = ""  # how the engine dtype was chosen (set by the engine)
+    layouts: dict[str, int] = field(default_factory=dict)  # layers re-laid for the kernel (set by the engine)
 
     @property
     def keep_packed(self) -> bool:
@@ -89,7 +90,8 @@ class LinearDecision:
     def summary(self) -> str:
         isa = ",".join(k for k, v in self.cpu.get("isa", {}).items() if v) or "none"
         dtype = f"dtype {self.dtype_reason}; " if self.dtype_reason else ""
-        return (f"{dtype}linear path {self.path} ({self.reason}; native <= {self.max_native_rows} rows, "
+        layouts = "".join(f", {n} layers' blocks re-laid as {f}" for f, n in self.layouts.items())
+        return (f"{dtype}linear path {self.path} ({self.reason}; native <= {self.max_native_rows} rows{layouts}, "
                 f"then GEMM on a {self.batched} weight); "
                 f"CPU {self.cpu.get('model', '?')}, ISA {isa}")
 
@@ -277,8 +279,10 @@ def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5
         sizes[fmt] = copies * n * k
         if fmt == "torch":
             runs[fmt] = lambda ws=ws: [F.linear(x, w) for w in ws]
-        else:
-            runs[fmt] = lambda ws=ws, fmt=fmt: [qlinear.linear(fmt, w, n, k, x, out, scratch) for w in ws]
+        else:  # in the layout the kernel reads (Q4_1X where a layer re-lays Q4_1: qlinear.native_format)
+            kf = qlinear.native_format(fmt, act_dtype)
+            ws = ws if kf == fmt else [qlinear.repack(kf, w, n, k) for w in ws]
+            runs[fmt] = lambda ws=ws, kf=kf: [qlinear.linear(kf, w, n, k, x, out, scratch) for w in ws]
     best = {fmt: _time(run, reps=1) for fmt, run in runs.items()}
     for _ in range(rounds - 1):
         for fmt, run in runs.items():
@@ -320,12 +324,14 @@ def _rows_table(fmt: str, act_dtype: torch.dtype) -> dict[str, dict[str, float]]
     tile = torch.empty(n, k, dtype=act_dtype)
     direct = fmt == ("BF16" if act_dtype == torch.bfloat16 else "F32")
     dense = w if direct else qlinear.dequant(fmt, w, n, k, torch.empty(n, k, dtype=act_dtype))
+    kf = qlinear.native_format(fmt, act_dtype)  # the kernel's layout next to a resident copy
+    wk = w if kf == fmt else qlinear.repack(kf, w, n, k)
     table = {}
     for rows in CROSSOVER_ROWS:
         x = torch.randn(rows, k).to(act_dtype)
         out = torch.empty(rows, n, dtype=act_dtype)
         scratch = torch.empty(rows * k)
-        t = {"native": _time(lambda: qlinear.linear(fmt, w, n, k, x, out, scratch)),
+        t = {"native": _time(lambda: qlinear.linear(kf, wk, n, k, x, out, scratch)),
              "resident": _time(lambda: F.linear(x, dense))}
         t["tile"] = t["resident"] if direct else _time(lambda: (qlinear.dequant(fmt, w, n, k, tile), F.linear(x, tile)))
         table[str(rows)] = t
@@ -390,4 +396,6 @@ def _gemm_rates(use_cache: bool = True) -> dict[str, float]:
 
 
 def to_json(decision: LinearDecision) -> dict[str, Any]:
-    return asdict(decision)
+    out = asdict(decision)
+    del out["layouts"]  # config.json's linear summary has them ("kernel_layouts", from install)
+    return out

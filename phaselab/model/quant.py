@@ -63,10 +63,37 @@ def cat_rows(parts: list[PackedTensor]) -> PackedTensor:
                         "+".join(dict.fromkeys(p.source_fmt for p in parts if p.source_fmt)))
 
 
+# Q4_1 re-laid at load for the vdpbf16ps kernel (kernels/qlinear.c, dot_rows_q41x): same bytes,
+# never read from or written to a file
+REPACKED = {"Q4_1X": "Q4_1"}
+
+
 def row_bytes(fmt: str, k: int) -> int:
     if fmt in DENSE:
         return k * DENSE[fmt].itemsize
-    return k // 32 * BLOCK_BYTES[fmt]
+    return k // 32 * BLOCK_BYTES[REPACKED.get(fmt, fmt)]
+
+
+def unpack_q4_1x(data: torch.Tensor, k: int) -> torch.Tensor:
+    """Q4_1X rows back to Q4_1 blocks (torch, independent of the C kernel's repack): groups of 16
+    blocks hold 8 pairs p of 32 bytes, byte 2b+e's low nibble element 4p+e of block b, its high
+    nibble element 4p+2+e; then the nb % 16 tail blocks as Q4_1; then d and m of the groups."""
+    n, nb = data.shape[0], k // 32
+    ng, nt = nb // 16, nb % 16
+    out = torch.empty(n, nb, 20, dtype=torch.uint8)
+    if ng:
+        g = data[:, :256 * ng].reshape(n, ng, 8, 16, 2).to(torch.int32)  # (n, g, p, b, e)
+        lo, hi = g & 0x0F, g >> 4
+        el = torch.stack([lo, hi], dim=3)  # (n, g, p, h, b, e): element 4p + 2h + e
+        el = el.permute(0, 1, 4, 2, 3, 5).reshape(n, ng * 16, 32)  # (n, block, element)
+        qs = (el[..., :16] | (el[..., 16:] << 4)).to(torch.uint8)
+        dm = data[:, 256 * ng + 20 * nt:].reshape(n, 2, ng * 16, 2)
+        out[:, :16 * ng, 0:2] = dm[:, 0]
+        out[:, :16 * ng, 2:4] = dm[:, 1]
+        out[:, :16 * ng, 4:] = qs
+    if nt:
+        out[:, 16 * ng:] = data[:, 256 * ng:256 * ng + 20 * nt].reshape(n, nt, 20)
+    return out.reshape(n, nb * 20)
 
 
 def dequantize_blocks(fmt: str, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -74,6 +101,8 @@ def dequantize_blocks(fmt: str, data: torch.Tensor, shape: tuple[int, int]) -> t
     n, k = shape
     if fmt in DENSE:
         return data.float()
+    if fmt in REPACKED:
+        data, fmt = unpack_q4_1x(data, k), REPACKED[fmt]
     blocks = data.view(n, k // 32, BLOCK_BYTES[fmt])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (n, nb, 1)
     if fmt == "Q8_0":

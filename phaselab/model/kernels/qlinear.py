@@ -8,6 +8,7 @@ off too, and then every linear layer runs through torch on dequantized weights.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import subprocess
@@ -20,8 +21,9 @@ from phaselab.model import kernels
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.c")
-FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4}
-_ABI = 2
+FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5}
+_ABI = 3
+REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode Q4_1 from the file's blocks (float32 FMA), not Q4_1X
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -49,6 +51,12 @@ def _load() -> ctypes.CDLL | None:
         lib.qlinear.argtypes = [ci, vp, i64, i64, vp, ci, i64, vp, vp, vp, ci, ci]
         lib.dequant_rows.restype = ci
         lib.dequant_rows.argtypes = [ci, vp, i64, i64, vp, i64, vp, ci]
+        lib.kernel_order_x.restype = ci
+        lib.kernel_order_x.argtypes = [ci, vp, i64, i64, vp]
+        lib.dequant_kernel_order.restype = ci
+        lib.dequant_kernel_order.argtypes = [ci, vp, i64, i64, vp, ci]
+        lib.qlinear_repack.restype = ci
+        lib.qlinear_repack.argtypes = [ci, vp, i64, i64, vp]
         lib.qlinear_set_pool.argtypes = [vp]
         lib.qlinear_set_pool(kernels.pool_address())
         _lib = lib
@@ -82,6 +90,24 @@ def features() -> dict[str, bool]:
     return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2)}
 
 
+def native_format(fmt: str, act_dtype: torch.dtype) -> str:
+    """The layout the small-row kernel reads `fmt` fastest in, for activations of `act_dtype`:
+    Q4_1 becomes Q4_1X (kernels/qlinear.c, dot_rows_q41x) for bf16 activations on a CPU with
+    AVX512-BF16, unless PHASELAB_Q4_REPACK=0; every other format stays as stored."""
+    if (fmt == "Q4_1" and act_dtype == torch.bfloat16 and os.environ.get(REPACK_ENV, "1") != "0"
+            and features()["avx512_bf16_dot"]):
+        return "Q4_1X"
+    return fmt
+
+
+def repack(fmt_to: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Q4_1 rows re-laid as `fmt_to` (Q4_1X), a new tensor of the same shape."""
+    out = torch.empty_like(data)
+    if _lib_or_raise().qlinear_repack(FORMAT_IDS[fmt_to], data.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise RuntimeError(f"qlinear_repack failed for a ({n}, {k}) weight to {fmt_to}")
+    return out
+
+
 def _lib_or_raise() -> ctypes.CDLL:
     lib = _load()
     if lib is None:
@@ -106,6 +132,40 @@ def linear(fmt: str, w: torch.Tensor, n: int, k: int, x: torch.Tensor, out: torc
     )
     if rc != 0:
         raise RuntimeError(f"qlinear failed for {fmt} weight ({n}, {k}) and {m} rows (unsupported shape)")
+    return out
+
+
+@functools.cache
+def kernel_order(fmt: str, k: int) -> torch.Tensor | None:
+    """The column order `dequant_kernel_order` widens `fmt` rows into, as source column indices
+    (int64, k): activations indexed by it meet the widened tile's columns. None: the file's order."""
+    if fmt != "Q4_1X":
+        return None
+    nb = k // 32
+    ng = nb // 16
+    col = torch.arange(k)
+    if ng:  # position 512 g + 32 t + 2 b + e holds element 2 t + e of block 16 g + b
+        g, t, b, e = torch.meshgrid(torch.arange(ng), torch.arange(16), torch.arange(16), torch.arange(2), indexing="ij")
+        col[:512 * ng] = ((16 * g + b) * 32 + 2 * t + e).reshape(-1)
+    return col
+
+
+def to_kernel_order(fmt: str, x: torch.Tensor) -> torch.Tensor:
+    """bf16 activations (M, K), contiguous, with their columns in `kernel_order(fmt, K)` (a new
+    tensor): what x.index_select(1, kernel_order(fmt, K)) gives, without torch's per-call cost."""
+    m, k = x.shape
+    out = torch.empty_like(x)
+    if x.dtype != torch.bfloat16 or _lib_or_raise().kernel_order_x(FORMAT_IDS[fmt], x.data_ptr(), m, k,
+                                                                  out.data_ptr()) != 0:
+        raise RuntimeError(f"kernel_order_x failed for {fmt} activations {tuple(x.shape)} {x.dtype}")
+    return out
+
+
+def dequant_kernel_order(fmt: str, w: torch.Tensor, n: int, k: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows of a Q4_1X W widened into `out` (float32 or bf16) with their columns in `kernel_order`."""
+    if _lib_or_raise().dequant_kernel_order(FORMAT_IDS[fmt], w.data_ptr(), n, k, out.data_ptr(),
+                                            int(out.dtype == torch.bfloat16)) != 0:
+        raise RuntimeError(f"dequant_kernel_order failed for {fmt} weight ({n}, {k})")
     return out
 
 
