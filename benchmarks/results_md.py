@@ -423,6 +423,9 @@ SERVED_OTHER_MACHINES = [
 # issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
 # phaselab before the change right after that), all on the machine at hand, one server at a time
 ISSUE18_SERVED_RUNS = [
+    ("2026-12-03 morning (head 0264d41): Q4_1X, the Q4_1 blocks re-laid for vdpbf16ps (no llama.cpp in "
+     "this round)", "serve_vs_peers_epyc_q4x", "serve_vs_peers_epyc_q4x_vllm_2threads",
+     "serve_vs_peers_epyc_q4x_before", "PHASELAB_Q4_REPACK=0"),
     ("2026-12-02 night, second runs (head 979ec11): native prefill attention, elementwise, RoPE + K/V "
      "write, vector exp in the decode softmax", "serve_vs_peers_epyc_prefill",
      "serve_vs_peers_epyc_prefill_vllm_2threads", "serve_vs_peers_epyc_prefill_before",

@@ -196,6 +196,17 @@ static inline __m256i bf16_round(__m512 v) {
     return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
 }
 
+/* 32 widened weights (lo: the first 16) to out + at, as float32 or bf16 (nearest even) */
+static inline void store32(void *out, int64_t at, int out_bf16, __m512 lo, __m512 hi) {
+    if (out_bf16) {
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), bf16_round(lo));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16), bf16_round(hi));
+    } else {
+        _mm512_storeu_ps((float *)out + at, lo);
+        _mm512_storeu_ps((float *)out + at + 16, hi);
+    }
+}
+
 /* 16 dense weights from element k (masked: only `mask` lanes read) */
 static inline __attribute__((always_inline)) __m512 dense16(int fmt, const uint8_t *w, int64_t k, __mmask16 mask) {
     if (fmt == FMT_F32) return _mm512_maskz_loadu_ps(mask, (const float *)w + k);
@@ -664,29 +675,15 @@ int dequant_kernel_order(int fmt, const void *w, int64_t N, int64_t K, void *out
                     const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(
                         _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q[h], 1)), 16));
                     /* (128 + q) - 128 = q exactly; d q + m rounded once, as deq_block does */
-                    const __m512 w0 = _mm512_fmadd_ps(_mm512_sub_ps(f0, c128), d0, m0);
-                    const __m512 w1 = _mm512_fmadd_ps(_mm512_sub_ps(f1, c128), d1, m1);
-                    if (out_bf16) {
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), bf16_round(w0));
-                        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16), bf16_round(w1));
-                    } else {
-                        _mm512_storeu_ps((float *)out + at, w0);
-                        _mm512_storeu_ps((float *)out + at + 16, w1);
-                    }
+                    store32(out, at, out_bf16, _mm512_fmadd_ps(_mm512_sub_ps(f0, c128), d0, m0),
+                            _mm512_fmadd_ps(_mm512_sub_ps(f1, c128), d1, m1));
                 }
             }
         }
         for (int64_t j = 0; j < nt; j++) {
             __m512 lo, hi;
             deq_block(FMT_Q4_1, wr + 256 * ng + 20 * j, &lo, &hi);
-            const int64_t at = r * K + 512 * ng + 32 * j;
-            if (out_bf16) {
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), bf16_round(lo));
-                _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16), bf16_round(hi));
-            } else {
-                _mm512_storeu_ps((float *)out + at, lo);
-                _mm512_storeu_ps((float *)out + at + 16, hi);
-            }
+            store32(out, r * K + 512 * ng + 32 * j, out_bf16, lo, hi);
         }
 #else
         (void)nt;
@@ -752,14 +749,7 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
             for (int64_t b = 0; b < K / 32; b++) {
                 __m512 lo, hi;
                 deq_block(fmt, wr + b * bb, &lo, &hi);
-                if (!out_bf16) {
-                    _mm512_storeu_ps((float *)out + r * K + b * 32, lo);
-                    _mm512_storeu_ps((float *)out + r * K + b * 32 + 16, hi);
-                } else {
-                    uint16_t *o = (uint16_t *)out + r * K + b * 32;
-                    _mm256_storeu_si256((__m256i *)o, bf16_round(lo));
-                    _mm256_storeu_si256((__m256i *)(o + 16), bf16_round(hi));
-                }
+                store32(out, r * K + b * 32, out_bf16, lo, hi);
             }
             continue;
         }
