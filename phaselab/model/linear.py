@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaselab.model.kernels import qlinear
-from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
+from phaselab.model.quant import DENSE, REPACKED, PackedTensor, cat_rows, to_dense_format
 
 PATHS = ("q", "bf16", "fp32", "torch")
 BATCHED = ("tile", "resident")
@@ -121,12 +121,12 @@ class PackedLinear(nn.Module):
         n, k = self.packed.shape
         chunk = max(1, min(n, TILE_ELEMENTS // k))
         fmt, data = self.packed.fmt, self.packed.data
-        order = qlinear.kernel_order(fmt, k)
-        if order is not None:  # the tile's columns come in the layout's order: so do x's
+        relaid = fmt in REPACKED
+        if relaid:  # the tile's columns come in the layout's order (qlinear.kernel_order): so do x's
             x = qlinear.to_kernel_order(fmt, x.contiguous())
 
         def widen(rows_data: torch.Tensor, rows: int, tile: torch.Tensor) -> None:
-            if order is None:
+            if not relaid:
                 qlinear.dequant(fmt, rows_data, rows, k, tile)
             else:
                 qlinear.dequant_kernel_order(fmt, rows_data, rows, k, tile)

@@ -123,6 +123,29 @@ static inline void deq_block_c(int fmt, const uint8_t *b, float *out) {
     }
 }
 
+/* One row of bf16 activations (K) in Q4_1X's kernel order: per full group of 16 blocks, element
+ * pair t of block b moves to 32 t + 2 b; the tail columns stay where they are. */
+static void q41x_order_row(const uint16_t *xm, int64_t K, uint16_t *om) {
+    const int64_t ng = K / 512;
+    for (int64_t g = 0; g < ng; g++) {
+#if QL_AVX512
+        /* element pairs as dwords: pair t of block b is dword 16 b + t of the group */
+        const __m512i stride = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
+        for (int t = 0; t < 16; t++)
+            _mm512_storeu_si512((void *)(om + 512 * g + 32 * t),
+                                _mm512_i32gather_epi32(_mm512_add_epi32(stride, _mm512_set1_epi32(t)),
+                                                       (const void *)(xm + 512 * g), 4));
+#else
+        for (int t = 0; t < 16; t++)
+            for (int b = 0; b < 16; b++) {
+                om[512 * g + 32 * t + 2 * b] = xm[512 * g + 32 * b + 2 * t];
+                om[512 * g + 32 * t + 2 * b + 1] = xm[512 * g + 32 * b + 2 * t + 1];
+            }
+#endif
+    }
+    memcpy(om + 512 * ng, xm + 512 * ng, (size_t)(K - 512 * ng) * 2);
+}
+
 /* Q4_1X row of nb blocks: ng = nb / 16 groups of 16 blocks, then the nb % 16 tail blocks as Q4_1.
  *   [256 B per group: 8 pairs p of 32 B; byte 2b+e of pair p holds, in its low nibble, element
  *    2(2p)+e of block b, in its high nibble element 2(2p+1)+e]
@@ -480,17 +503,10 @@ static void dot_group_q41x(const uint8_t *w, int64_t nb, const uint16_t *xp, con
 
 /* the activations in Q4_1X's order (xp: bf16, M x K) and their per-block sums (sx: M x nb) */
 static void q41x_prepare(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp, float *sx) {
-    const int64_t nb = K / 32, ng = nb / 16;
+    const int64_t nb = K / 32;
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *xm = x + m * K;
-        uint16_t *pm = xp + m * K;
-        for (int64_t g = 0; g < ng; g++)
-            for (int t = 0; t < 16; t++)
-                for (int b = 0; b < 16; b++) {
-                    const uint16_t *src = xm + (16 * g + b) * 32 + 2 * t;
-                    pm[512 * g + 32 * t + 2 * b] = src[0];
-                    pm[512 * g + 32 * t + 2 * b + 1] = src[1];
-                }
+        q41x_order_row(xm, K, xp + m * K);
         for (int64_t b = 0; b < nb; b++) {
             __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(xm + 32 * b))), 16));
@@ -703,33 +719,12 @@ int dequant_kernel_order(int fmt, const void *w, int64_t N, int64_t K, void *out
     return 0;
 }
 
-/* out (M, K) = bf16 activations x with their columns in Q4_1X's kernel order (dequant_kernel_order):
- * per full group of 16 blocks, element pair t of block b moves to 32 t + 2 b; the tail stays. */
+/* out (M, K) = bf16 activations x with their columns in Q4_1X's kernel order (q41x_order_row), to
+ * meet the columns dequant_kernel_order widens */
 int kernel_order_x(int fmt, const uint16_t *x, int64_t M, int64_t K, uint16_t *out) {
     if (fmt != FMT_Q4_1X || K <= 0 || K % 32 != 0) return 1;
-    const int64_t ng = K / 512;
 #pragma omp parallel for schedule(static) if (M * K > (1 << 16))
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *xm = x + m * K;
-        uint16_t *om = out + m * K;
-        for (int64_t g = 0; g < ng; g++) {
-#if QL_AVX512
-            /* element pairs as dwords: pair t of block b is dword 16 b + t of the group */
-            const __m512i stride = _mm512_set_epi32(240, 224, 208, 192, 176, 160, 144, 128, 112, 96, 80, 64, 48, 32, 16, 0);
-            for (int t = 0; t < 16; t++)
-                _mm512_storeu_si512((void *)(om + 512 * g + 32 * t),
-                                    _mm512_i32gather_epi32(_mm512_add_epi32(stride, _mm512_set1_epi32(t)),
-                                                           (const void *)(xm + 512 * g), 4));
-#else
-            for (int t = 0; t < 16; t++)
-                for (int b = 0; b < 16; b++) {
-                    om[512 * g + 32 * t + 2 * b] = xm[512 * g + 32 * b + 2 * t];
-                    om[512 * g + 32 * t + 2 * b + 1] = xm[512 * g + 32 * b + 2 * t + 1];
-                }
-#endif
-        }
-        memcpy(om + 512 * ng, xm + 512 * ng, (size_t)(K - 512 * ng) * 2);
-    }
+    for (int64_t m = 0; m < M; m++) q41x_order_row(x + m * K, K, out + m * K);
     return 0;
 }
 
