@@ -51,7 +51,7 @@ class EngineArgs:
     max_num_partial_prefills: int = field(default=1, metadata={"help": "most requests left mid-prefill after an iteration"})
     slo_tbt_ms: float = field(default=0.0, metadata={"help": "time-between-tokens target in ms (0 = off); with policy chunked each iteration's prefill budget adapts to hold it (docs/slo.md)"})
     slo_ttft_ms: float = field(default=0.0, metadata={"help": "time-to-first-token target in ms (0 = off): prefills go shortest prompt first until a request has waited half of it, then first come first served (docs/slo.md); reported as attainment"})
-    slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept free beyond the measured prediction error (the plan already corrects the recent median of measured/predicted)"})
+    slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept free beyond the measured prediction error (the plan already scales the fit by a recent quantile of measured/predicted: docs/slo.md)"})
     slo_min_chunk: int = field(default=32, metadata={"help": "smallest prefill chunk the adaptive budget gives while prefill waits"})
     slo_cost_file: str | None = field(default=None, metadata={"help": "JSON of the adaptive budget's cost coefficients to start from (default: a short warm-up at start)"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of identical prefixes"})

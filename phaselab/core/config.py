@@ -53,7 +53,7 @@ class SchedulerConfig:
                 "attainment (diagnose)"})
     slo_margin: float = field(default=0.1, metadata={
         "help": "fraction of --slo-tbt-ms kept free beyond the measured prediction error: the budget aims at "
-                "T x (1 - margin) with the fit scaled by the recent median of measured / predicted"})
+                "T x (1 - margin) with the fit scaled by a recent quantile of measured / predicted (docs/slo.md)"})
     slo_min_chunk: int = field(default=32, metadata={
         "help": "smallest prefill chunk the adaptive budget chooses while prefill is waiting, even when the "
                 "target cannot be met (that iteration is then marked infeasible)"})
