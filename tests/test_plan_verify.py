@@ -44,6 +44,12 @@ def test_plan_verify_runs_the_plan_and_reports_measured_next_to_predicted(tmp_pa
     result = json.loads(out.read_text())["verify"]
     rows = result["rows"]
     assert len(rows) == 2 and result["cpu"]  # the results name the CPU they were measured on
+    # the calibration is bounded by this host's ceilings, measured in this run, not the catalog's `cpu`
+    # entry (another session's CPU): the hardware it names is the measured one, with its CPU
+    hw = result["hardware"]
+    assert hw["name"] == "measured-cpu" and hw["peak_flops"] > 0 and hw["mem_bandwidth"] > 0
+    assert hw["sources"]["peak_flops"].startswith("measured: phaselab.engine.ceilings on ")
+    assert result["cpu"].split()[0] in hw["sources"]["peak_flops"]
     for i, row in enumerate(rows, start=1):
         counts = [_count(tmp_path / "runs" / f"rank-{i}" / f"run-{j}" / "requests.jsonl") for j in (1, 2, 3)]
         assert [n for n, _, _ in counts] == [row["num_requests"]] * 3 == [6] * 3  # every planned request ran, 3 times

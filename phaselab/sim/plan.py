@@ -117,6 +117,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         print(f"phaselab plan: --verify plans the bundled model ({model.name or model.architecture}), colocated, "
               "on this machine", file=sys.stderr)
         if params is None:
+            if hw.name == "cpu":  # the catalog's default, another session's CPU: bound the fit by this one's
+                hw = verifier.host_hardware()
             params = verifier.calibrate(workload, _csv(ns.budgets, int), hw)
     elif hw.name == "cpu" and params is None:
         print("phaselab plan: note: --hardware cpu without --params uses placeholder efficiencies; calibrate on a "
@@ -153,6 +155,8 @@ def run_plan(ns: argparse.Namespace) -> int:
         from phaselab.model.linear_probe import cpu_info
 
         out["verify"] = {"tolerance": ns.verify_tolerance, "cpu": cpu_info()["model"],
+                         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "mem_bandwidth": hw.mem_bandwidth,
+                                      "sources": dict(hw.sources)},
                          "rows": [r.to_json(ns.verify_tolerance) for r in rows]}
         if not all(r.within(ns.verify_tolerance) for r in rows):
             code = 3
