@@ -13,9 +13,12 @@ Three sections, one JSON (`benchmarks/results/linear.json` by default), naming t
    benchmarks/roofline.py's bandwidth()); also against the 16-bit floor (bf16 weights).
 3. `prefix`: a 2000-token prefill cold vs after a 16-token prefix-cache hit, ms per new token.
 4. `batched`: decode step time at --batches (default 1 8 32; 512-token contexts) for each of
-   --configs, DTYPE/PATH[+BATCHED][:q4x0] (PATH forced by PHASELAB_LINEAR, `auto` = the start-up
-   probe's choice; BATCHED = tile | resident forced by PHASELAB_BATCHED; `:q4x0` keeps Q4_1 in the
-   file's layout, PHASELAB_Q4_REPACK=0, instead of Q4_1X), engines taking turns round by
+   --configs, DTYPE/PATH[+BATCHED][:q4x0|:rows4at4] (PATH forced by PHASELAB_LINEAR, `auto` = the
+   start-up probe's choice; BATCHED = tile | resident forced by PHASELAB_BATCHED; `:q4x0` keeps Q4_1
+   in the file's layout, PHASELAB_Q4_REPACK=0, instead of Q4_1X; `:rows4at4` reads four weight rows
+   per pass from 4 activation rows in every format, PHASELAB_ROWS4_MIN=4, the kernel's default before
+   the probe chose it; that setting is process-wide, so each engine's is set again before its
+   turn), engines taking turns round by
    round. The context is prefilled once per engine and its K/V copied into each batch
    (benchmarks/engine.py's PhaselabDecode), so a round costs no prefill. Beside the wall time, the
    process's CPU time per step (both threads): with the machine shared, it leaves out the time
@@ -203,7 +206,7 @@ def batched_engine(cfg: str) -> Any:
     rest, _, option = rest.partition(":")  # ":q4x0": Q4_1 blocks kept in the file's layout
     path, _, batched = rest.partition("+")
     env = {"PHASELAB_LINEAR": path if path != "auto" else None, "PHASELAB_BATCHED": batched or None,
-           qlinear.REPACK_ENV: "0" if option == "q4x0" else None}
+           qlinear.REPACK_ENV: "0" if option == "q4x0" else None, "PHASELAB_ROWS4_MIN": "4" if option == "rows4at4" else None}
     saved = {k: os.environ.pop(k, None) for k in env}
     os.environ.update({k: v for k, v in env.items() if v})
     try:
@@ -237,6 +240,8 @@ def run_batched(configs: list[str], batches: list[int], rounds: int, steps: int)
     for r in range(rounds):
         for b in batches:
             for cfg, run in runners.items():
+                for fmt in qlinear.FORMAT_IDS:  # process-wide: this engine's choice, not the last built's
+                    qlinear.set_rows4_min(fmt, run.eng.linear.rows4_min.get(fmt, 0))
                 res = run.run(b)
                 out[cfg]["steps_ms"][str(b)] += [t * 1e3 for t in res["step_s"]]
                 out[cfg]["cpu_ms"][str(b)] += [t * 1e3 for t in res["cpu_s"]]

@@ -56,9 +56,24 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
+@pytest.fixture(params=["four-rows-from-1", "one-row-always"])
+def rows4(request):
+    """Both weight-row passes of the kernel at every row count, whatever a probe chose for this CPU
+    (qlinear.set_rows4_min is process-wide): four weight rows at a time from 1 activation row on,
+    and one weight row at a time always (the remainder rows N % 4 run one at a time either way)."""
+    fmts = tuple(qlinear.FORMAT_IDS)
+    before = {f: qlinear.rows4_min(f) for f in fmts}
+    for f in fmts:
+        qlinear.set_rows4_min(f, 1 if request.param == "four-rows-from-1" else qlinear.ROWS4_OFF)
+    assert all(qlinear.rows4_min(f) == (1 if request.param == "four-rows-from-1" else qlinear.ROWS4_OFF) for f in fmts)
+    yield request.param
+    for f, rows in before.items():
+        qlinear.set_rows4_min(f, rows)
+
+
 @pytest.mark.parametrize("fmt", QUANT)
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_quantized_kernel_matches_float64_reference(fmt, act):
+def test_quantized_kernel_matches_float64_reference(fmt, act, rows4):
     packed, ref = _gguf_packed(fmt, 37, 96, seed=1)  # 37 rows, K = 3 blocks: no multiple of 16 rows
     # the torch dequantization used at load agrees with gguf-py's exactly
     assert torch.equal(dequantize_blocks(fmt, packed.data, packed.shape).double(), ref)
@@ -67,14 +82,14 @@ def test_quantized_kernel_matches_float64_reference(fmt, act):
         x = _x(m, 96, act, seed=m)
         y = torch.empty(m, 37, dtype=act)
         qlinear.linear(fmt, packed.data, 37, 96, x, y, torch.empty(m * 96), bias)
-        _check(y, x, ref, bias, f"{fmt} x {act} at {m} rows")
+        _check(y, x, ref, bias, f"{fmt} x {act} at {m} rows, {rows4}")
 
 
 # the vdpbf16ps variant (use_dp) exists only for bf16 weights with bf16 activations
 @pytest.mark.parametrize(("fmt", "act", "use_dp"), [
     ("F32", torch.float32, False), ("F32", torch.bfloat16, False),
     ("BF16", torch.float32, False), ("BF16", torch.bfloat16, False), ("BF16", torch.bfloat16, True)])
-def test_dense_kernel_matches_float64_reference(fmt, act, use_dp):
+def test_dense_kernel_matches_float64_reference(fmt, act, use_dp, rows4):
     if use_dp and not qlinear.features()["avx512_bf16_dot"]:
         pytest.skip("this CPU (or compiler) lacks AVX512-BF16: the vdpbf16ps variant is not built")
     for n, k in ((19, 45), (5, 77), (33, 32)):  # K not a multiple of 16/32: masked tails
@@ -83,7 +98,7 @@ def test_dense_kernel_matches_float64_reference(fmt, act, use_dp):
             x = _x(m, k, act, seed=m)
             y = torch.empty(m, n, dtype=torch.float32)
             qlinear.linear(fmt, packed.data, n, k, x, y, torch.empty(m * k), None, use_dp=use_dp)
-            _check(y, x, ref, None, f"{fmt} x {act} ({n}x{k}) at {m} rows, dp={use_dp}")
+            _check(y, x, ref, None, f"{fmt} x {act} ({n}x{k}) at {m} rows, dp={use_dp}, {rows4}")
 
 
 @pytest.mark.parametrize("fmt", QUANT + ("F32", "BF16"))

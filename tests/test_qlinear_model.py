@@ -120,6 +120,34 @@ def test_weights_option_and_record(tmp_path, monkeypatch):
     rows = auto.run_config()["linear"]["probe"]["rows"]
     assert set(rows) == {"Q4_1", "BF16", "F32"}
     assert all(set(rows[f]) == {str(r) for r in CROSSOVER_ROWS} for f in rows)
+    # the four-weight-row pass: timed against one row at a time per format, and the kernel set from the
+    # probe's choice (the timings recorded beside it); where it starts, it is the faster at every
+    # larger probed count, and one row below it was not
+    from phaselab.model.kernels import qlinear
+    from phaselab.model.linear_probe import ROWS4_ROWS
+
+    probe = auto.run_config()["linear"]["probe"]
+    chosen = auto.linear.rows4_min
+    assert chosen == probe["rows4_min"] and set(chosen) == set(probe["rows4"])
+    if qlinear.features()["avx512"]:
+        assert "Q8_0" in chosen  # the head's format of most GGUF files always has the pass
+    for fmt, start in chosen.items():
+        assert qlinear.rows4_min(fmt) == start
+        table = probe["rows4"][fmt]
+        assert set(table) == {str(r) for r in ROWS4_ROWS}
+        assert all(table[str(r)]["four"] < table[str(r)]["one"] for r in ROWS4_ROWS if r >= start)
+        below = [r for r in ROWS4_ROWS if r < start]
+        assert not below or table[str(below[-1])]["four"] >= table[str(below[-1])]["one"]
+    monkeypatch.setenv("PHASELAB_ROWS4_MIN", "off")
+    off = _engine(gguf_path, dtype="float32")
+    assert set(off.linear.rows4_min.values()) == {qlinear.ROWS4_OFF} and qlinear.rows4_min("Q8_0") == qlinear.ROWS4_OFF
+    assert "Q8_0 never" in off.linear.summary()
+    monkeypatch.setenv("PHASELAB_ROWS4_MIN", "0")
+    with pytest.raises(Exception, match="PHASELAB_ROWS4_MIN"):
+        _engine(gguf_path, dtype="float32")
+    monkeypatch.delenv("PHASELAB_ROWS4_MIN")
+    auto = _engine(gguf_path, dtype="float32")  # the probe's choice again, for the tests after this one
+    assert all(qlinear.rows4_min(f) == r for f, r in auto.linear.rows4_min.items())
     # dtype auto: chosen on decode's linear cost at one row and at a batched row count, both recorded
     picked = _engine(gguf_path)
     assert "at 1 row" in picked.linear.dtype_reason and f"at {BATCHED_ROWS} rows" in picked.linear.dtype_reason

@@ -61,7 +61,9 @@ BATCHED_ROWS = 32  # the batched decode row count the resident-vs-tile and dtype
 BATCHED_ENV = "PHASELAB_BATCHED"
 TIE = 1.25  # a path within this factor of the fastest counts as tied; the smallest storage wins
 DTYPE_TIE = 1.10
-_PROBE_VERSION = 5
+_PROBE_VERSION = 6
+ROWS4_ENV = "PHASELAB_ROWS4_MIN"  # N: four weight rows at a time from N activation rows, every format; "off": never
+ROWS4_ROWS = (4, 8, 16, 32)  # row counts the four-row pass is timed at against one weight row at a time
 
 
 @dataclass
@@ -74,6 +76,9 @@ class LinearDecision:
     cpu: dict[str, Any] = field(default_factory=dict)
     dtype_reason: str = ""  # how the engine dtype was chosen (set by the engine)
     layouts: dict[str, int] = field(default_factory=dict)  # layers re-laid for the kernel (set by the engine)
+    # per format, the activation rows from which the kernel reads four weight rows per pass
+    # (qlinear.set_rows4_min; qlinear.ROWS4_OFF: never); {} leaves the kernel's built-in default
+    rows4_min: dict[str, int] = field(default_factory=dict)
 
     @property
     def keep_packed(self) -> bool:
@@ -91,6 +96,9 @@ class LinearDecision:
         isa = ",".join(k for k, v in self.cpu.get("isa", {}).items() if v) or "none"
         dtype = f"dtype {self.dtype_reason}; " if self.dtype_reason else ""
         layouts = "".join(f", {n} layers' blocks re-laid as {f}" for f, n in self.layouts.items())
+        if self.rows4_min:
+            layouts += ", four weight rows per pass " + ", ".join(
+                f"{f} {'never' if r >= qlinear.ROWS4_OFF else f'from {r} rows'}" for f, r in self.rows4_min.items())
         return (f"{dtype}linear path {self.path} ({self.reason}; native <= {self.max_native_rows} rows{layouts}, "
                 f"then GEMM on a {self.batched} weight); "
                 f"CPU {self.cpu.get('model', '?')}, ISA {isa}")
@@ -148,7 +156,8 @@ def decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecisio
         if forced != "torch" and not qlinear.available():
             raise ConfigError(f"{ENV_VAR}={forced} needs the native kernel, which is unavailable "
                               f"({qlinear.unavailable_reason()}); unset it or set {ENV_VAR}=torch")
-        return LinearDecision(forced, f"forced by {ENV_VAR}", batched=forced_batched or "tile", cpu=cpu)
+        return _with_rows4(LinearDecision(forced, f"forced by {ENV_VAR}", batched=forced_batched or "tile", cpu=cpu),
+                           {})
     if weights == "dequantized":
         return LinearDecision("torch", "--weights dequantized", cpu=cpu)
     if not qlinear.available():
@@ -160,7 +169,8 @@ def decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecisio
     if weights == "quantized":
         path = "q" if is_gguf else _dense_path(act_dtype)
         batched = forced_batched or "tile"
-        return LinearDecision(path, "--weights quantized", _rows_for(path, batched, probe), batched, probe, cpu)
+        return _with_rows4(LinearDecision(path, "--weights quantized", _rows_for(path, batched, probe), batched, probe,
+                                          cpu), probe)
     candidates = (["q"] if is_gguf else []) + [_dense_path(act_dtype), "torch"]
     # seconds per weight at one row; q is judged on Q4_1 (the bundled model's format)
     cost = {p: probe["s_per_weight"][_probe_format(p, act_dtype)] for p in candidates}
@@ -169,7 +179,29 @@ def decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecisio
     path = min((p for p in candidates if cost[p] <= best * TIE), key=lambda p: stored[p])
     detail = ", ".join(f"{p} {cost[p] * 1e12:.0f} ps/weight" for p in candidates)
     batched = forced_batched or _batched_choice(path, probe)
-    return LinearDecision(path, f"measured at start-up: {detail}", _rows_for(path, batched, probe), batched, probe, cpu)
+    return _with_rows4(LinearDecision(path, f"measured at start-up: {detail}", _rows_for(path, batched, probe), batched,
+                                      probe, cpu), probe)
+
+
+def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecision:
+    """Set, for every format, the row count from which the kernel reads four weight rows per pass:
+    forced by ROWS4_ENV, else the probe's `rows4_min` (rows4_decision), else the kernel's default
+    (a path forced by ENV_VAR runs no probe)."""
+    forced = os.environ.get(ROWS4_ENV)
+    if forced:
+        try:
+            rows = qlinear.ROWS4_OFF if forced == "off" else int(forced)
+            if rows < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{ROWS4_ENV}={forced!r} is not a row count; give an integer >= 1 or 'off'") from None
+        decision.rows4_min = {fmt: rows for fmt in qlinear.FORMAT_IDS}
+    else:
+        decision.rows4_min = dict(probe.get("rows4_min") or {})
+    if decision.path != "torch" and qlinear.available():
+        for fmt in qlinear.FORMAT_IDS:  # the setting is process-wide: an earlier engine's must not linger
+            qlinear.set_rows4_min(fmt, decision.rows4_min.get(fmt, 0))
+    return decision
 
 
 def _batched_choice(path: str, probe: dict[str, Any]) -> str:
@@ -226,6 +258,8 @@ def measure(act_dtype: torch.dtype, use_cache: bool = True) -> dict[str, Any]:
               "rows": {fmt: _rows_table(fmt, act_dtype) for fmt in ("Q4_1", "BF16", "F32")},
               "batched_stream": _batched_stream("Q4_1", act_dtype),
               "dtype": str(act_dtype).removeprefix("torch."), "load_avg": os.getloadavg()}
+    result["rows4"] = _rows4_table(act_dtype)
+    result["rows4_min"] = rows4_decision(result["rows4"])
     result["probe_s"] = round(time.perf_counter() - t0, 3)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
@@ -313,6 +347,66 @@ def _batched_stream(fmt: str, act_dtype: torch.dtype, rounds: int = 3) -> dict[s
             run()
             best[name] = min(best[name], time.perf_counter() - t)
     return {name: t / (copies * n * k) for name, t in best.items()}
+
+
+def _rows4_formats(act_dtype: torch.dtype) -> tuple[str, ...]:
+    """The formats whose kernel has the four-weight-row pass at this activation dtype: not a layout
+    re-laid for vdpbf16ps (Q4_1X) nor BF16 x bf16 on vdpbf16ps, which have their own loops."""
+    if not qlinear.features()["avx512"]:  # the pass is built only with AVX-512 (qlinear.c)
+        return ()
+    dp = act_dtype == torch.bfloat16 and qlinear.features()["avx512_bf16_dot"]
+    return tuple(f for f in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32")
+                 if qlinear.native_format(f, act_dtype) == f and not (dp and f == "BF16"))
+
+
+def _rows4_table(act_dtype: torch.dtype, rounds: int = 3) -> dict[str, dict[str, dict[str, float]]]:
+    """Seconds per weight at each of ROWS4_ROWS, four weight rows per pass ("four") against one
+    ("one"), over PROBE_BYTES / 2 of each format's weights (beyond the caches, as a step reads them);
+    the two take turns, each keeping its best round (_stream_costs)."""
+    n, k = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(3)
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for fmt in _rows4_formats(act_dtype):
+        before = qlinear.rows4_min(fmt)
+        one = random_weight(fmt, n, k, gen)
+        copies = max(1, PROBE_BYTES // 2 // (one.numel() * one.element_size()))
+        ws = [one] + [one.clone() for _ in range(copies - 1)]
+        table[fmt] = {}
+        try:
+            for rows in ROWS4_ROWS:
+                x = torch.randn(rows, k).to(act_dtype)
+                out, scratch = torch.empty(rows, n, dtype=act_dtype), torch.empty(rows * k)
+
+                def run(ws=ws, x=x, out=out, scratch=scratch) -> None:
+                    for w in ws:
+                        qlinear.linear(fmt, w, n, k, x, out, scratch)
+
+                best = {"four": float("inf"), "one": float("inf")}
+                for r in range(rounds):
+                    for mode, start in (("four", rows), ("one", qlinear.ROWS4_OFF)):
+                        qlinear.set_rows4_min(fmt, start)
+                        t = time.perf_counter()
+                        run()
+                        if r:  # the first round warms the caches and pages up
+                            best[mode] = min(best[mode], time.perf_counter() - t)
+                table[fmt][str(rows)] = {m: t / (copies * n * k) for m, t in best.items()}
+        finally:
+            qlinear.set_rows4_min(fmt, before)
+    return table
+
+
+def rows4_decision(table: dict[str, dict[str, dict[str, float]]]) -> dict[str, int]:
+    """Per format: the smallest probed row count from which four weight rows per pass is faster at
+    every larger probed count too; qlinear.ROWS4_OFF where it is not faster at the largest."""
+    decision = {}
+    for fmt, by_rows in table.items():
+        start = qlinear.ROWS4_OFF
+        for rows in sorted((int(r) for r in by_rows), reverse=True):
+            if by_rows[str(rows)]["four"] >= by_rows[str(rows)]["one"]:
+                break
+            start = rows
+        decision[fmt] = start
+    return decision
 
 
 def _rows_table(fmt: str, act_dtype: torch.dtype) -> dict[str, dict[str, float]]:

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.c")
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5}
-_ABI = 3
+_ABI = 4
 REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode Q4_1 from the file's blocks (float32 FMA), not Q4_1X
 
 _lib: ctypes.CDLL | None = None
@@ -57,6 +57,9 @@ def _load() -> ctypes.CDLL | None:
         lib.dequant_kernel_order.argtypes = [ci, vp, i64, i64, vp, ci]
         lib.qlinear_repack.restype = ci
         lib.qlinear_repack.argtypes = [ci, vp, i64, i64, vp]
+        lib.qlinear_set_rows4_min.argtypes = [ci, ci]
+        lib.qlinear_rows4_min.restype = ci
+        lib.qlinear_rows4_min.argtypes = [ci]
         lib.qlinear_set_pool.argtypes = [vp]
         lib.qlinear_set_pool(kernels.pool_address())
         _lib = lib
@@ -113,6 +116,19 @@ def _lib_or_raise() -> ctypes.CDLL:
     if lib is None:
         raise RuntimeError(f"qlinear kernel unavailable: {_reason}; run with --weights dequantized")
     return lib
+
+
+ROWS4_OFF = 1 << 30  # a rows4_min no call reaches: one weight row at a time at every row count
+
+
+def set_rows4_min(fmt: str, rows: int) -> None:
+    """From how many activation rows the kernel processes four weight rows of `fmt` together (the
+    start-up probe decides: linear_probe.rows4_decision; ROWS4_OFF: never; 0: the kernel's built-in default)."""
+    _lib_or_raise().qlinear_set_rows4_min(FORMAT_IDS[fmt], int(min(rows, ROWS4_OFF)))
+
+
+def rows4_min(fmt: str) -> int:
+    return int(_lib_or_raise().qlinear_rows4_min(FORMAT_IDS[fmt]))
 
 
 def linear(fmt: str, w: torch.Tensor, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
