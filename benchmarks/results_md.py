@@ -423,6 +423,9 @@ SERVED_OTHER_MACHINES = [
 # issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
 # phaselab before the change right after that), all on the machine at hand, one server at a time
 ISSUE18_SERVED_RUNS = [
+    ("2026-12-03 midday (head 6780111): the four-weight-row pass from a probed row count per format (no "
+     "llama.cpp in this round)", "serve_vs_peers_epyc_rows4", "serve_vs_peers_epyc_rows4_vllm_2threads",
+     "serve_vs_peers_epyc_rows4_before", "PHASELAB_ROWS4_MIN=4"),
     ("2026-12-03 morning (head 0264d41): Q4_1X, the Q4_1 blocks re-laid for vdpbf16ps (no llama.cpp in "
      "this round)", "serve_vs_peers_epyc_q4x", "serve_vs_peers_epyc_q4x_vllm_2threads",
      "serve_vs_peers_epyc_q4x_before", "PHASELAB_Q4_REPACK=0"),
