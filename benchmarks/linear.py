@@ -240,8 +240,7 @@ def run_batched(configs: list[str], batches: list[int], rounds: int, steps: int)
     for r in range(rounds):
         for b in batches:
             for cfg, run in runners.items():
-                for fmt in qlinear.FORMAT_IDS:  # process-wide: this engine's choice, not the last built's
-                    qlinear.set_rows4_min(fmt, run.eng.linear.rows4_min.get(fmt, 0))
+                run.eng.linear.apply_rows4()  # process-wide: this engine's choice, not the last built's
                 res = run.run(b)
                 out[cfg]["steps_ms"][str(b)] += [t * 1e3 for t in res["step_s"]]
                 out[cfg]["cpu_ms"][str(b)] += [t * 1e3 for t in res["cpu_s"]]

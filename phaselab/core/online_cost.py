@@ -226,9 +226,8 @@ class BudgetLearner:
         self.error_quantile = error_quantile
         self.attainment = attainment
         self._ratios: deque[float] = deque(maxlen=error_window)  # measured / predicted, recent iterations
-        # (decodes, beside prefill?) of the recent iterations with decodes, and their running sums
-        self._gaps: deque[tuple[int, bool]] = deque(maxlen=share_window)
-        self._gaps_all = self._gaps_mixed = 0
+        # (token gaps, of them in a mixed iteration) of the recent iterations with decodes
+        self._gaps: deque[tuple[int, int]] = deque(maxlen=share_window)
 
     @property
     def coefficients(self) -> IterationCostCoefficients:
@@ -239,7 +238,8 @@ class BudgetLearner:
     def mixed_gap_share(self) -> float:
         """Of the token gaps of the recent iterations with decodes, the share in iterations that
         also carried prefill (a decode's gap is the iteration it ran in)."""
-        return self._gaps_mixed / self._gaps_all if self._gaps_all else 0.0
+        total = sum(n for n, _ in self._gaps)
+        return sum(m for _, m in self._gaps) / total if total else 0.0
 
     @property
     def planning_quantile(self) -> float:
@@ -277,14 +277,7 @@ class BudgetLearner:
         if predicted > 0 and mixed:
             self._ratios.append(measured_s / predicted)
         if features[3]:
-            if len(self._gaps) == self._gaps.maxlen:
-                n, was_mixed = self._gaps[0]
-                self._gaps_all -= n
-                self._gaps_mixed -= n if was_mixed else 0
-            n = int(features[3])
-            self._gaps.append((n, mixed))
-            self._gaps_all += n
-            self._gaps_mixed += n if mixed else 0
+            self._gaps.append((int(features[3]), int(features[3]) if mixed else 0))
         self.fitter.update(features, measured_s)
         return predicted
 

@@ -80,6 +80,13 @@ class LinearDecision:
     # (qlinear.set_rows4_min; qlinear.ROWS4_OFF: never); {} leaves the kernel's built-in default
     rows4_min: dict[str, int] = field(default_factory=dict)
 
+    def apply_rows4(self) -> None:
+        """Set the kernel's four-row pass to this decision's, every format (the setting is
+        process-wide: an earlier engine's must not linger; a format not in rows4_min gets the
+        kernel's default)."""
+        for fmt in qlinear.FORMAT_IDS:
+            qlinear.set_rows4_min(fmt, self.rows4_min.get(fmt, 0))
+
     @property
     def keep_packed(self) -> bool:
         """Whether the loader should keep the GGUF blocks: the q path reads them; the bf16 / fp32
@@ -199,8 +206,7 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
     else:
         decision.rows4_min = dict(probe.get("rows4_min") or {})
     if decision.path != "torch" and qlinear.available():
-        for fmt in qlinear.FORMAT_IDS:  # the setting is process-wide: an earlier engine's must not linger
-            qlinear.set_rows4_min(fmt, decision.rows4_min.get(fmt, 0))
+        decision.apply_rows4()
     return decision
 
 
@@ -294,11 +300,23 @@ def _time(fn: Any, reps: int = 3) -> float:
     return best
 
 
+def _best_in_turns(runs: dict[str, Any], rounds: int) -> dict[str, float]:
+    """The best time of each run over `rounds` rounds in which the runs take turns (each warmed up
+    once first): on a shared machine a burst of other work then hits one round of every run, not
+    all of one."""
+    best = {name: _time(run, reps=1) for name, run in runs.items()}
+    for _ in range(rounds - 1):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
 def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5) -> dict[str, float]:
     """Seconds per weight of one-row products streaming PROBE_BYTES of each format's weights.
 
-    The formats take turns, round after round, and each keeps its best round: on a shared
-    machine a burst of other work then hits one round of every format, not all of one."""
+    The formats take turns, round after round, and each keeps its best round (_best_in_turns)."""
     n, k = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     store = "BF16" if act_dtype == torch.bfloat16 else "F32"
@@ -317,12 +335,7 @@ def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5
             kf = qlinear.native_format(fmt, act_dtype)
             ws = ws if kf == fmt else [qlinear.repack(kf, w, n, k) for w in ws]
             runs[fmt] = lambda ws=ws, kf=kf: [qlinear.linear(kf, w, n, k, x, out, scratch) for w in ws]
-    best = {fmt: _time(run, reps=1) for fmt, run in runs.items()}
-    for _ in range(rounds - 1):
-        for fmt, run in runs.items():
-            t = time.perf_counter()
-            run()
-            best[fmt] = min(best[fmt], time.perf_counter() - t)
+    best = _best_in_turns(runs, rounds)
     return {fmt: best[fmt] / sizes[fmt] for fmt in fmts}
 
 
@@ -340,12 +353,7 @@ def _batched_stream(fmt: str, act_dtype: torch.dtype, rounds: int = 3) -> dict[s
     x = torch.randn(BATCHED_ROWS, k).to(act_dtype)
     runs = {"resident": lambda: [F.linear(x, w) for w in dense],
             "tile": lambda: [(qlinear.dequant(fmt, w, n, k, tile), F.linear(x, tile)) for w in blocks]}
-    best = {name: _time(run, reps=1) for name, run in runs.items()}
-    for _ in range(rounds - 1):  # taking turns, as in _stream_costs
-        for name, run in runs.items():
-            t = time.perf_counter()
-            run()
-            best[name] = min(best[name], time.perf_counter() - t)
+    best = _best_in_turns(runs, rounds)
     return {name: t / (copies * n * k) for name, t in best.items()}
 
 
@@ -359,10 +367,10 @@ def _rows4_formats(act_dtype: torch.dtype) -> tuple[str, ...]:
                  if qlinear.native_format(f, act_dtype) == f and not (dp and f == "BF16"))
 
 
-def _rows4_table(act_dtype: torch.dtype, rounds: int = 3) -> dict[str, dict[str, dict[str, float]]]:
+def _rows4_table(act_dtype: torch.dtype, rounds: int = 2) -> dict[str, dict[str, dict[str, float]]]:
     """Seconds per weight at each of ROWS4_ROWS, four weight rows per pass ("four") against one
     ("one"), over PROBE_BYTES / 2 of each format's weights (beyond the caches, as a step reads them);
-    the two take turns, each keeping its best round (_stream_costs)."""
+    the two take turns, each keeping its best round (_best_in_turns)."""
     n, k = PROBE_SHAPE
     gen = torch.Generator().manual_seed(3)
     table: dict[str, dict[str, dict[str, float]]] = {}
@@ -377,18 +385,13 @@ def _rows4_table(act_dtype: torch.dtype, rounds: int = 3) -> dict[str, dict[str,
                 x = torch.randn(rows, k).to(act_dtype)
                 out, scratch = torch.empty(rows, n, dtype=act_dtype), torch.empty(rows * k)
 
-                def run(ws=ws, x=x, out=out, scratch=scratch) -> None:
+                def run(start: int, ws=ws, x=x, out=out, scratch=scratch) -> None:
+                    qlinear.set_rows4_min(fmt, start)
                     for w in ws:
                         qlinear.linear(fmt, w, n, k, x, out, scratch)
 
-                best = {"four": float("inf"), "one": float("inf")}
-                for r in range(rounds):
-                    for mode, start in (("four", rows), ("one", qlinear.ROWS4_OFF)):
-                        qlinear.set_rows4_min(fmt, start)
-                        t = time.perf_counter()
-                        run()
-                        if r:  # the first round warms the caches and pages up
-                            best[mode] = min(best[mode], time.perf_counter() - t)
+                best = _best_in_turns({"four": lambda rows=rows: run(rows), "one": lambda: run(qlinear.ROWS4_OFF)},
+                                      rounds)
                 table[fmt][str(rows)] = {m: t / (copies * n * k) for m, t in best.items()}
         finally:
             qlinear.set_rows4_min(fmt, before)
