@@ -205,7 +205,7 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
         decision.rows4_min = {fmt: rows for fmt in qlinear.FORMAT_IDS}
     else:
         decision.rows4_min = dict(probe.get("rows4_min") or {})
-    if decision.path != "torch" and qlinear.available():
+    if qlinear.available():  # on the torch path too: no earlier engine's setting lingers in the process
         decision.apply_rows4()
     return decision
 
