@@ -4,7 +4,12 @@ The truth is torch's own computation of the same expressions (`norm(x + residual
 RMSNorm.forward, which tests/test_model_ops.py holds bit-identical to transformers, and
 `F.silu(gate) * up`). The kernels round where torch rounds; they may differ in the last bit of a
 float32 sum order or of exp, so a bf16 result can move by one unit where the exact value sits on a
-rounding boundary: counted, bounded, never more than one unit.
+rounding boundary: counted, bounded. RMSNorm rounds twice after its statistic (y = bf16(r * inv),
+then bf16(w * y)): where a last-bit change of inv moves y by one unit, w * y moves by w units of
+y's place, which for w up to 1.5 (these tests' weights) can be two units of the result's. The
+AVX-512 loops sum in torch's order and never show it; the AVX2 and portable builds' sums differ
+(tests/test_kernel_isa.py runs them), so the norm's bound is two units, still on a tenth of a
+percent of the elements at most.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def test_add_rms_norm_matches_torch(T, N, add) -> None:
     got = kernels.add_rms_norm(x if add else None, got_res, norm.weight.detach(), 1e-5)
     assert torch.equal(got_res, want_res), "the residual add is one float32 add rounded once, as torch's"
     ulps = _ulps(got, want)
-    assert ulps.max().item() <= 1
+    assert ulps.max().item() <= 2, "a last-bit change of the statistic moves the result two units at most"
     assert (ulps == 0).float().mean().item() >= 0.999
 
 

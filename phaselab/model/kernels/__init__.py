@@ -58,6 +58,11 @@ DEFAULT_SPIN_US = 200
 # changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
           "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
+# PHASELAB_KERNEL_ISA: "native" (default) builds for this CPU's best instruction set; "avx2" and
+# "portable" leave out AVX-512 (and, for portable, AVX2/FMA/F16C too) so that tests and benchmarks
+# run the lower paths of every kernel on any CPU that has them
+ISA_ENV = "PHASELAB_KERNEL_ISA"
+ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
 _ABI = 6
 _POOL_ABI = 1
 
@@ -91,10 +96,22 @@ def _cpu_flags() -> str:
     return ""
 
 
+def kernel_isa() -> str:
+    """The instruction-set level the kernels are built for (ISA_ENV; "native" unless forced)."""
+    isa = os.environ.get(ISA_ENV, "native")
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def _flags() -> list[str]:
+    return [*_FLAGS, *ISA_FLAGS[kernel_isa()]]
+
+
 def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
     """Hash of what decides a build: the sources, the compiler, the flags and the CPU's features."""
     src = b"".join(p.read_bytes() for p in (source if isinstance(source, tuple) else (source,)))
-    return hashlib.sha256(src + cc.encode() + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    return hashlib.sha256(src + cc.encode() + " ".join(_flags()).encode() + _cpu_flags().encode()).hexdigest()[:16]
 
 
 def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, SIMD_HEADER)) -> Path:
@@ -108,7 +125,7 @@ def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, 
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *_FLAGS, "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *_flags(), "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             names = " ".join(p.name for p in sources)

@@ -26,8 +26,9 @@
  * `dequant_rows` widens whole rows (all of W, or the rows named by an index list: embedding
  * lookups) to float32 or bf16, for the GEMM path of larger row counts and for embeddings.
  *
- * Built by phaselab/model/kernels/__init__.py with -march=native; without AVX-512 the plain C
- * loops below are compiled instead (the compiler vectorizes them for AVX2/FMA).
+ * Built by phaselab/model/kernels/__init__.py with -march=native: AVX-512 intrinsics where the CPU
+ * has them, else AVX2 + FMA + F16C intrinsics (dot_rows8), else plain C loops the compiler
+ * vectorizes as it can. PHASELAB_KERNEL_ISA=avx2 / portable builds the lower paths on any CPU.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -37,6 +38,14 @@
 #define QL_AVX512 1
 #else
 #define QL_AVX512 0
+#endif
+/* AVX2 + FMA + F16C without AVX-512 (AMD Zen 2/3, Intel before Skylake-SP; or forced by
+ * PHASELAB_KERNEL_ISA=avx2): the same loops on 8-float vectors (dot_rows8 below) */
+#if !QL_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QL_AVX2 1
+#else
+#define QL_AVX2 0
 #endif
 #if QL_AVX512 && defined(__AVX512BF16__)
 #define QL_DPBF16 1
@@ -65,8 +74,8 @@ static inline int64_t row_bytes(int fmt, int64_t K) {
 static inline float fp16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-    /* IEEE half -> float without F16C (the AVX-512 path uses _cvtsh_ss) */
-#if QL_AVX512
+    /* IEEE half -> float without F16C (the AVX-512 and AVX2 paths use _cvtsh_ss) */
+#if QL_AVX512 || QL_AVX2
     return _cvtsh_ss(h);
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -357,6 +366,106 @@ static inline __attribute__((always_inline)) void dot_rows_dpbf16(const uint16_t
 #endif
 #endif /* QL_AVX512 */
 
+#if QL_AVX2
+/* one 32-element block of W -> four float32 vectors of 8, in element order; d q + m rounded once
+ * (one FMA), as deq_block does */
+static inline __attribute__((always_inline)) void deq_block8(int fmt, const uint8_t *b, __m256 v[4]) {
+    if (fmt == FMT_Q8_0) {
+        const __m256 d = _mm256_set1_ps(fp16_to_f32(b));
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+            v[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * i)))));
+        return;
+    }
+    const int q41 = fmt == FMT_Q4_1;
+    __m256 d, m;
+    if (q41) { /* d and m converted together */
+        int32_t dm;
+        memcpy(&dm, b, 4);
+        const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(dm));
+        d = _mm256_broadcastss_ps(f);
+        m = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+    } else {
+        const float df = fp16_to_f32(b);
+        d = _mm256_set1_ps(df);
+        m = _mm256_set1_ps(-8.f * df);
+    }
+    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (q41 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i ql = _mm_and_si128(q, mask), qh = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ql)), d, m);
+    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ql, 8))), d, m);
+    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qh)), d, m);
+    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(qh, 8))), d, m);
+}
+
+/* 8 dense weights from element k (whole vectors only; tails are summed in scalar) */
+static inline __attribute__((always_inline)) __m256 dense8(int fmt, const uint8_t *w, int64_t k) {
+    if (fmt == FMT_F32) return _mm256_loadu_ps((const float *)w + k);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* res[m] = W_row . x[m] for m < mr, as dot_rows on 8-float vectors. AVX2 has 16 vector registers:
+ * 4 hold the block's weights, so each row gets 4 accumulator chains at mr <= 2, 2 at mr <= 4 and
+ * one above (enough independent FMAs in flight either way, no spills). */
+static inline __attribute__((always_inline)) void dot_rows8(int fmt, const uint8_t *w, const float *x, int64_t K,
+                                                            int mr, float *res) {
+    enum { NA = 4 };
+    const int na = mr <= 2 ? 4 : mr <= 4 ? 2 : 1;
+    __m256 acc[MR][NA];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
+        _Pragma("GCC unroll 4") for (int a = 0; a < na; a++) acc[m][a] = _mm256_setzero_ps();
+    const int64_t nfull = K / 32;
+    const int bb = fmt >= FMT_Q8_0 ? BLOCK_BYTES[fmt] : 0;
+    for (int64_t b = 0; b < nfull; b++) {
+        __m256 v[4];
+        if (fmt >= FMT_Q8_0) {
+            deq_block8(fmt, w + b * bb, v);
+        } else {
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) v[i] = dense8(fmt, w, b * 32 + 8 * i);
+        }
+        const float *xb = x + b * 32;
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+                acc[m][i % na] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + m * K + 8 * i), acc[m][i % na]);
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+        _Pragma("GCC unroll 4") for (int a = 1; a < na; a++) acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][a]);
+        res[m] = hsum8(acc[m][0]);
+    }
+    if (fmt < FMT_Q8_0) /* dense formats: the K % 32 tail */
+        for (int64_t k = nfull * 32; k < K; k++) {
+            const float wk = fmt == FMT_F32 ? ((const float *)w)[k] : bf16_to_f32(((const uint16_t *)w)[k]);
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] += wk * x[m * K + k];
+        }
+}
+
+/* 32 widened weights (v: in element order) to out + at, as float32 or bf16 (nearest even) */
+static inline void store32_8(void *out, int64_t at, int out_bf16, const __m256 v[4]) {
+    if (!out_bf16) {
+        _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) _mm256_storeu_ps((float *)out + at + 8 * i, v[i]);
+        return;
+    }
+    __m256i r[4];
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        const __m256i u = _mm256_castps_si256(v[i]);
+        const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+        r[i] = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    }
+    /* packus interleaves 128-bit lanes: [a0-3 b0-3 | a4-7 b4-7]; the permute restores the order */
+    _Pragma("GCC unroll 2") for (int i = 0; i < 2; i++)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16 * i),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(r[2 * i], r[2 * i + 1]), 0xd8));
+}
+#endif /* QL_AVX2 */
+
 /* portable: widen the row once per group of rows (on the stack when it fits), then plain dots */
 static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
     float buf[4096];
@@ -383,6 +492,14 @@ static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t
     case FMT_Q8_0: dot_rows(FMT_Q8_0, w, x, K, mr, res); break;
     case FMT_Q4_0: dot_rows(FMT_Q4_0, w, x, K, mr, res); break;
     default: dot_rows(FMT_Q4_1, w, x, K, mr, res); break;
+    }
+#elif QL_AVX2
+    switch (fmt) {
+    case FMT_F32: dot_rows8(FMT_F32, w, x, K, mr, res); break;
+    case FMT_BF16: dot_rows8(FMT_BF16, w, x, K, mr, res); break;
+    case FMT_Q8_0: dot_rows8(FMT_Q8_0, w, x, K, mr, res); break;
+    case FMT_Q4_0: dot_rows8(FMT_Q4_0, w, x, K, mr, res); break;
+    default: dot_rows8(FMT_Q4_1, w, x, K, mr, res); break;
     }
 #else
     dot_rows_c(fmt, w, x, K, mr, res);
@@ -752,6 +869,16 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
             }
             continue;
         }
+#elif QL_AVX2
+        if (fmt >= FMT_Q8_0 && fmt != FMT_Q4_1X) {
+            const int bb = BLOCK_BYTES[fmt];
+            for (int64_t b = 0; b < K / 32; b++) {
+                __m256 v[4];
+                deq_block8(fmt, wr + b * bb, v);
+                store32_8(out, r * K + b * 32, out_bf16, v);
+            }
+            continue;
+        }
 #endif
         if (!out_bf16) {
             deq_row_c(fmt, wr, K, (float *)out + r * K);
@@ -800,7 +927,7 @@ int qlinear_repack(int fmt_to, const void *src, int64_t N, int64_t K, void *dst)
     return 0;
 }
 
-int qlinear_features(void) { return QL_AVX512 | (QL_DPBF16 << 1); }
+int qlinear_features(void) { return QL_AVX512 | (QL_DPBF16 << 1) | (QL_AVX2 << 2); }
 void qlinear_set_rows4_min(int fmt, int rows) {
     if (fmt >= 0 && fmt <= FMT_Q4_1X) g_rows4_min[fmt] = rows < 1 ? ROWS4_MIN : rows; /* < 1: the default */
 }

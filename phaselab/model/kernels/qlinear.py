@@ -87,10 +87,11 @@ def build_id() -> str:
 
 
 def features() -> dict[str, bool]:
-    """What the compiled kernel uses on this CPU: AVX-512 intrinsics, vdpbf16ps."""
+    """What the compiled kernel uses on this CPU: AVX-512 intrinsics, vdpbf16ps, or (without
+    AVX-512) AVX2 + FMA + F16C intrinsics; none of them: the portable C loops."""
     lib = _load()
     f = lib.qlinear_features() if lib is not None else 0
-    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2)}
+    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2), "avx2": bool(f & 4)}
 
 
 def native_format(fmt: str, act_dtype: torch.dtype) -> str:
