@@ -22,10 +22,10 @@ BATCHED_ROWS by more than the tie factor, timed over PROBE_BYTES of weights as a
 the blocks are all it holds). `max_native_rows` is the largest row count at which the kernel
 still beats the chosen GEMM. `PHASELAB_BATCHED=tile|resident` forces the choice.
 
-`--dtype auto` is chosen on what decode runs, in both dtypes: the best linear path's cost per
-weight at one row and at BATCHED_ROWS rows (the geometric mean of each dtype's ratio to the
-faster one decides; ties within 10% go to bf16, whose KV cache is half the bytes); the 256-row
-GEMM rate (prefill) is recorded beside them.
+`--dtype auto` is chosen on what both phases run, in both dtypes: the best linear path's cost
+per weight at one row and at BATCHED_ROWS rows (decode) and the 256-row GEMM rate (prefill); the
+geometric mean of each dtype's three ratios to the faster one decides, ties within 10% going to
+bf16, whose KV cache is half the bytes.
 
 Results are cached per CPU, kernel build, torch version, thread count and engine dtype under the
 kernel cache directory (`$PHASELAB_CACHE_DIR/kernels/probe-*.json`); delete them to re-measure.
@@ -436,11 +436,13 @@ def _rows_table(fmt: str, act_dtype: torch.dtype) -> dict[str, dict[str, float]]
 
 
 def auto_dtype(is_gguf: bool = True, native: bool = True, use_cache: bool = True) -> tuple[torch.dtype, str]:
-    """dtype auto, chosen on what decode runs (module docstring): in each dtype, the best linear
-    path's cost per weight at one row and at BATCHED_ROWS rows (q only for GGUF files, native
-    paths only when `native`: not under --weights dequantized); the geometric mean of the ratios
-    to the faster dtype decides, ties within DTYPE_TIE going to bf16 (half the KV-cache bytes).
-    The 256-row GEMM rate of each dtype (prefill) is measured and reported beside them."""
+    """dtype auto, chosen on what both phases run (module docstring): in each dtype, the best
+    linear path's cost per weight at one row and at BATCHED_ROWS rows (decode; q only for GGUF
+    files, native paths only when `native`: not under --weights dequantized) and the 256-row GEMM
+    rate (prefill); the geometric mean of the three ratios to the faster dtype decides, ties within
+    DTYPE_TIE going to bf16 (half the KV-cache bytes). Prefill counts because on a CPU without
+    AVX512-BF16 or AMX torch's bf16 GEMM is emulated: on an AMD EPYC with AVX2 only it ran 19
+    GFLOP/s against fp32's 124, a 512-token prompt 6x slower, while decode was within 10%."""
     native = native and qlinear.available()
     gemm = _gemm_rates(use_cache)
     if not native:  # the torch path only: its GEMM decides, as it is what every row count runs
@@ -458,12 +460,14 @@ def auto_dtype(is_gguf: bool = True, native: bool = True, use_cache: bool = True
         cost[str(dt).removeprefix("torch.")] = (one, batched)
     best1 = min(c[0] for c in cost.values())
     best_b = min(c[1] for c in cost.values())
-    score = {dt: ((c[0] / best1) * (c[1] / best_b)) ** 0.5 for dt, c in cost.items()}
+    best_gemm = max(gemm.values())
+    score = {dt: ((c[0] / best1) * (c[1] / best_b) * (best_gemm / gemm[dt])) ** (1 / 3) for dt, c in cost.items()}
     bf16 = score["bfloat16"] <= score["float32"] * DTYPE_TIE
     detail = "; ".join(f"{dt} {c[0] * 1e12:.0f} ps/weight at 1 row, {c[1] * 1e12:.1f} at {BATCHED_ROWS} rows"
                        for dt, c in cost.items())
     reason = (f"auto: decode linear {detail}; 256-row GEMM bf16 {gemm['bfloat16'] / 1e9:.0f} vs fp32 "
-              f"{gemm['float32'] / 1e9:.0f} GFLOP/s" + (" (bf16 as fast or faster, within 10%)" if bf16 else " (fp32 faster)"))
+              f"{gemm['float32'] / 1e9:.0f} GFLOP/s; both phases "
+              + ("bf16 as fast or faster, within 10%" if bf16 else f"fp32 faster ({score['bfloat16'] / score['float32']:.2f}x)"))
     return (torch.bfloat16 if bf16 else torch.float32), reason
 
 
