@@ -109,6 +109,9 @@ def main() -> None:
     result = {"cpu": cpu_model(), "isa_flags": [f for f in flags if f.startswith(("avx", "fma", "f16c", "amx"))],
               "threads": os.environ.get("OMP_NUM_THREADS", "torch default"), "loadavg": list(os.getloadavg()),
               "builds": best}
+    if args.before:
+        commit = subprocess.run(["git", "-C", args.before, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        result["before_commit"] = commit.stdout.strip() or "unknown (not a git checkout)"
     Path(args.out).write_text(json.dumps(result, indent=1))
     labels = list(best)
     print(f"{result['cpu']} ({', '.join(result['isa_flags'])}); read bandwidth "

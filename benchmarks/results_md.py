@@ -596,6 +596,32 @@ def wait_policy_section(r: dict | None, served: dict[str, dict] | None = None) -
     return out
 
 
+def kernel_isa_section(results: str) -> list[str]:
+    """benchmarks/kernel_isa.py's files (kernel_isa*.json), one table per file, naming its CPU."""
+    import glob
+
+    files = sorted(glob.glob(os.path.join(results, "kernel_isa*.json")))
+    lines = ["## The small-row linear kernel per instruction-set build (`benchmarks/kernel_isa.py`, issue 18)", ""]
+    if not files:
+        return lines + ["Run `python benchmarks/kernel_isa.py` to fill this section.", ""]
+    for path in files:
+        r = load(path)
+        labels = list(r["builds"])
+        bw = ", ".join(f"{lb} {r['builds'][lb]['read_GBps']:.1f}" for lb in labels)
+        lines += [f"### {r['cpu']} ({', '.join(r['isa_flags'])}), `{os.path.basename(path)}`", "",
+                  (f"`before` is commit {r['before_commit']}'s kernel, built the same way. " if "before_commit" in r else "")
+                  + f"Read bandwidth (GB/s, measured in each build's process): {bw}. Builds took turns, best of "
+                  "the rounds. ps per weight (x the floor of the weights as stored / read bandwidth; below 1x "
+                  "where eight copies of a small layer stay in the 32 MiB L3). fp32 activations.", "",
+                  "| format, layer, rows | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for case in r["builds"][labels[0]]["cases"]:
+            cells = [r["builds"][lb]["cases"].get(case) for lb in labels]
+            lines.append(f"| {case} | " + " | ".join(
+                "-" if c is None else f"{c['ps_per_weight']:.0f} ({c['x_floor']:.2f}x)" for c in cells) + " |")
+        lines.append("")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=os.path.join(HERE, "results"))
@@ -628,6 +654,7 @@ def main() -> None:
     lines += linear_section(lin, *(load(os.path.join(ns.results, f)) for f in
                                    ("step_profile.json", "step_profile_fused.json", "step_profile_before.json",
                                     "step_profile_earlier.json")))
+    lines += kernel_isa_section(ns.results)
     lines += multihost_section(load(os.path.join(ns.results, "multihost_kv.json")))
     lines += soak_section(load(os.path.join(ns.results, "soak.json")))
     lines += slo_section(load(os.path.join(ns.results, "slo_serving.json")))
