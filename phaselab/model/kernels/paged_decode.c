@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) float cached(const void *cache, int
     return c.f;
 }
 
-/* softmax in place. Where AVX-512 is compiled the exponentials are simd.h's vector exp (scalar
+/* softmax in place. Where AVX-512 or AVX2 is compiled the exponentials are simd.h's vector exp (scalar
  * expf was a call per score: at batch 32 with 512-token contexts, 4.6 million calls a step) */
 static inline void softmax_row(float *s, int64_t len) {
     float m = -FLT_MAX, sum = 0.f;
@@ -49,6 +49,10 @@ static inline void softmax_row(float *s, int64_t len) {
     __m512 mv = _mm512_set1_ps(-FLT_MAX);
     for (; t + 16 <= len; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
     m = _mm512_reduce_max_ps(mv);
+#elif PL_AVX2
+    __m256 mv = _mm256_set1_ps(-FLT_MAX);
+    for (; t + 8 <= len; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    m = hmax8(mv);
 #endif
     for (; t < len; t++) m = s[t] > m ? s[t] : m;
     t = 0;
@@ -61,6 +65,15 @@ static inline void softmax_row(float *s, int64_t len) {
         acc = _mm512_add_ps(acc, e);
     }
     sum = _mm512_reduce_add_ps(acc);
+#elif PL_AVX2
+    const __m256 mm = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp_ps8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mm));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hadd8(acc);
 #endif
     for (; t < len; t++) {
         s[t] = expf(s[t] - m);
