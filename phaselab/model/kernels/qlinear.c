@@ -33,6 +33,8 @@
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h" /* the pool hook's types; hadd8 */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX512 1
@@ -405,13 +407,6 @@ static inline __attribute__((always_inline)) __m256 dense8(int fmt, const uint8_
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* res[m] = W_row . x[m] for m < mr, as dot_rows on 8-float vectors. AVX2 has 16 vector registers:
  * 4 hold the block's weights, so each row gets 4 accumulator chains at mr <= 2, 2 at mr <= 4 and
  * one above (enough independent FMAs in flight either way, no spills). */
@@ -438,7 +433,7 @@ static inline __attribute__((always_inline)) void dot_rows8(int fmt, const uint8
     }
     _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
         _Pragma("GCC unroll 4") for (int a = 1; a < na; a++) acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][a]);
-        res[m] = hsum8(acc[m][0]);
+        res[m] = hadd8(acc[m][0]);
     }
     if (fmt < FMT_Q8_0) /* dense formats: the K % 32 tail */
         for (int64_t k = nfull * 32; k < K; k++) {
@@ -466,6 +461,7 @@ static inline void store32_8(void *out, int64_t at, int out_bf16, const __m256 v
 }
 #endif /* QL_AVX2 */
 
+#if !QL_AVX512 && !QL_AVX2
 /* portable: widen the row once per group of rows (on the stack when it fits), then plain dots */
 static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
     float buf[4096];
@@ -482,6 +478,7 @@ static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int
         }
     }
 }
+#endif
 
 static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t *w, const float *x, int64_t K,
                                                           int mr, float *res) {
@@ -641,8 +638,6 @@ static void q41x_prepare(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp, 
 
 /* -- running the rows in parallel ------------------------------------------------------------ */
 
-typedef void (*chunk_fn)(void *ctx, int64_t chunk);
-typedef void (*pool_run_fn)(chunk_fn fn, void *ctx, int64_t nchunks);
 /* set by qlinear_set_pool (pool.c's phaselab_pool_run); NULL: OpenMP's team */
 static pool_run_fn g_pool_run = NULL;
 void qlinear_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }

@@ -43,7 +43,7 @@ def _load() -> ctypes.CDLL | None:
         _reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
         return None
     try:
-        lib = ctypes.CDLL(str(kernels._build(cc, SOURCE)))
+        lib = ctypes.CDLL(str(kernels._build(cc, (SOURCE, kernels.SIMD_HEADER))))
         if lib.qlinear_abi() != _ABI:
             raise RuntimeError("stale kernel library (ABI mismatch); delete " + str(kernels.cache_dir()))
         i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int

@@ -1,6 +1,7 @@
-/* Helpers shared by the attention and elementwise kernels (paged_decode.c, prefill_attn.c,
- * elementwise.c, linked into one library): bf16 <-> float32 as torch converts, the thread-pool
- * hook's types, and, where AVX-512 is compiled, a vector exp. Header-only: everything is static. */
+/* Helpers shared by the native kernels (paged_decode.c, prefill_attn.c, elementwise.c, linked into
+ * one library, and qlinear.c, its own): bf16 <-> float32 as torch converts, the thread-pool hook's
+ * types, and, where AVX-512 or AVX2 is compiled, a vector exp and horizontal reductions.
+ * Header-only: everything is static. */
 #ifndef PHASELAB_SIMD_H
 #define PHASELAB_SIMD_H
 
