@@ -115,3 +115,24 @@ def make_llm(checkpoint, **options):
     from phaselab.engine.llm import LLM
 
     return LLM.from_engine(LLMEngine(EngineArgs(**options), checkpoint=checkpoint))
+
+
+def serving_dtype() -> str:
+    """The dtype the tests that drive whole workloads through the engine (diagnosis, verify, the
+    simulator's fidelity) serve in: bf16 where the CPU computes it natively (AVX512-BF16 or AMX),
+    float32 elsewhere. Without either, torch emulates bf16 GEMMs (an AVX2-only AMD EPYC: 19 GFLOP/s
+    against fp32's 124-161) and these runs took 4-6x as long: CI ran past its 90 minutes. The engine's
+    own dtype=auto makes the same call by measurement (linear_probe.auto_dtype); the tests decide by
+    the CPU's flags so that a loaded machine cannot change what they run. PHASELAB_TEST_DTYPE forces
+    one."""
+    forced = os.environ.get("PHASELAB_TEST_DTYPE")
+    if forced:
+        if forced not in ("float32", "bfloat16"):
+            raise ValueError(f"PHASELAB_TEST_DTYPE={forced!r}: use float32 or bfloat16")
+        return forced
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"

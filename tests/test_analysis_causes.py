@@ -1,11 +1,12 @@
-"""Diagnosis on real engine runs built to have one known cause each (the bundled model, bf16, small
-workloads driven with arrival timing by phaselab.workload.driver.run_arrivals):
+"""Diagnosis on real engine runs built to have one known cause each (the bundled model, bf16 or
+fp32 by the CPU (tests/_model_helpers.serving_dtype), small workloads driven with arrival timing by
+phaselab.workload.driver.run_arrivals):
 
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
     prefill-bound    long prompts, few requests, one at a time, two output tokens, all beginning with the
                      same 768 tokens and prefix caching off
-    decode/KV-bound  long histories (a 5000-token shared prefix, served by the prefix cache), batch 32;
-                     truth: the same batch at short histories
+    decode/KV-bound  long histories (a 5000-token shared prefix served by the prefix cache; 8000
+                     serving fp32), batch 32; truth: the same batch at short histories
     KV capacity      a 4 MiB cache for 10 growing requests; truth: the scheduler's preemption count
     healthy          a few spaced requests: no queue, stall or KV-capacity finding of weight
     stall            prefill-first, two 1024-token prompts arriving among four decoding streams
@@ -30,6 +31,7 @@ import pytest
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.obs.rundir import read_run_dir
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
+from tests._model_helpers import serving_dtype
 
 pytestmark = pytest.mark.slow
 REL = 0.15
@@ -41,7 +43,7 @@ def checkpoint():
 
     from phaselab.model.loader import load_checkpoint
 
-    return load_checkpoint(None, torch.bfloat16)
+    return load_checkpoint(None, getattr(torch, serving_dtype()))
 
 
 def _engine(checkpoint, **kw):
@@ -49,7 +51,7 @@ def _engine(checkpoint, **kw):
     from phaselab.engine.engine import LLMEngine
 
     kw = {"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}
-    return LLMEngine(EngineArgs(dtype="bfloat16", **kw),
+    return LLMEngine(EngineArgs(dtype=serving_dtype(), **kw),
                      checkpoint=checkpoint)
 
 
@@ -170,11 +172,22 @@ def _experiment_half_width(steps, ctxs) -> float:
     return float(hi - lo) / 2
 
 
+def kv_bound_prefix() -> int:
+    """The shared history's length that makes batch 32's decode K/V-bound on this host: each
+    sequence's K/V read per step must clearly outweigh its share of the weights and the
+    per-sequence compute. Serving bf16 (a CPU with AVX512-BF16 or AMX), 5000 tokens: at 1600 the two
+    were even, and at 3000 again once the decode attention got faster (decode-kv 42.7% against
+    decode-step 41.5% of the run). Serving fp32 (tests/_model_helpers.serving_dtype: an AVX2-only
+    EPYC), the linear layers are compute-bound at 32 rows (steps of 200-240 ms at short histories
+    against 100-140 in bf16 on AVX-512) and at 5000 decode-step led twice (44% against decode-kv
+    30%): 8000 there."""
+    return 5000 if serving_dtype() == "bfloat16" else 8000
+
+
 def test_decode_kv_bound(checkpoint, tmp_path):
     """The run: a short wave (32 requests, 16-token prompts, 24 tokens) then a long one (the same
-    batch over a 5000-token shared prefix from the prefix cache, 48 tokens: decoding, not the one
-    5000-token prefill, is most of the run), so the history varies
-    within the run. Truth by a controlled experiment outside it: the same batch of 32 decoding at
+    batch over a long shared prefix (kv_bound_prefix) from the prefix cache, 48 tokens: decoding,
+    not the one long prefill, is most of the run), so the history varies within the run. Truth by a controlled experiment outside it: the same batch of 32 decoding at
     short and at long histories in separate runs gives the cost per history token,
     (long step - short step) / (long history - short history); the K/V share of the run's decode
     time is that cost times each step's history over the steps' measured time.
@@ -186,19 +199,16 @@ def test_decode_kv_bound(checkpoint, tmp_path):
     a wrong attribution is wrong every time. The K/V floor counts a shared prefix's blocks once per
     step: the experiment measured 0.66 us per history token where a floor per reader said 0.83."""
     rng = np.random.default_rng(2)
-    # 5000 tokens: each sequence's K/V read per step then clearly outweighs its share of the weights
-    # and the per-sequence overhead; at 1600 the two were even, and at 3000 again once the decode
-    # attention got faster (decode-kv 42.7% against decode-step 41.5% of the run)
-    prefix = random_prompt(rng, 5000)
+    prefix = random_prompt(rng, kv_bound_prefix())
     outcomes = []
     for attempt in range(3):
-        engine = _engine(checkpoint, max_model_len=8192, kv_cache_memory="512MiB")
+        engine = _engine(checkpoint, max_model_len=8192, kv_cache_memory="1GiB")
         steps, ctxs = _per_history_token(engine, rng, prefix, rounds=1)
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
         arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
         arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 48, after_finished="warm") for i in range(32)]
         path = tmp_path / f"decode{attempt}"
-        d, run = _run(_engine(checkpoint, max_model_len=8192, kv_cache_memory="512MiB"), arrivals, path)
+        d, run = _run(_engine(checkpoint, max_model_len=8192, kv_cache_memory="1GiB"), arrivals, path)
         # the long histories came from the cache
         assert sum(m.num_cached_tokens for m in run.requests) >= 32 * (len(prefix) - 16)
         after_steps, after_ctxs = _per_history_token(engine, rng, prefix, rounds=1)

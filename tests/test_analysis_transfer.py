@@ -10,8 +10,8 @@ The top cause must be the transfer, and its key figure (achieved KV bandwidth, b
 within 15% of the truth from outside the records and their accounting: the link's shaped rate
 times the KV's share of what the veth's own counter says crossed a -> b during the bench (the tbf
 holds the link at its rate while a transfer runs, and the KV payload is the model's K/V bytes per
-token, from its shape, times the blocks of the prompt tokens). 256-token prompts: each KV (5.9 MB)
-takes about 2.4 s on the link, so what the record's transfer time holds besides the wire (Ray's
+token, from its shape, times the blocks of the prompt tokens). 256-token prompts: each KV (5.9 MB in bf16,
+twice that in fp32: tests/_model_helpers.serving_dtype) takes about 2.4 s (4.7 s) on the link, so what the record's transfer time holds besides the wire (Ray's
 fetch set-up, the copy into the decode worker's cache: 0.1-0.3 s on the loaded 2-core machine) stays
 well inside the tolerance; with 128-token prompts two runs measured -4% and -12%.
 
@@ -30,6 +30,7 @@ import httpx
 import pytest
 
 from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns, serve_disagg_on_a
+from tests._model_helpers import serving_dtype
 from tests._server_helpers import free_port
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ PROMPT_TOKENS, OUTPUT_TOKENS, NUM_PROMPTS = 256, 3, 3
 
 def _serve(net: NetnsPair, hosts: RayHosts, record: str, log_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    args = ["--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+    args = ["--dtype", serving_dtype(), "--kv-cache-memory", "64MiB", "--max-model-len", "512",
             "--no-enable-prefix-caching", "--record", record]
     return serve_disagg_on_a(net, hosts, port, args, log_path, ready_s=600)
 
@@ -52,7 +53,8 @@ def _kv_bytes_per_block() -> int:
     from phaselab.spec.gguf import open_gguf, read_gguf_config
 
     cfg = read_gguf_config(open_gguf(default_model_path()))
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2 * 16  # K and V, bf16, 16 tokens
+    itemsize = 2 if serving_dtype() == "bfloat16" else 4  # the cache holds the served dtype
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize * 16  # K and V, 16 tokens
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +131,7 @@ def test_serving_colocated_is_predicted_and_verified_against_the_slow_link(slow_
     cli = subprocess.run([sys.executable, "-m", "phaselab", "diagnose", record, "--verify", "--no-write"],
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 2 and "--before-url URL --after-url URL" in cli.stderr, cli.stderr[-2000:]
-    colocated = ServerProcess("--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+    colocated = ServerProcess("--dtype", serving_dtype(), "--kv-cache-memory", "64MiB", "--max-model-len", "512",
                               "--no-enable-prefix-caching")
     try:
         colocated.wait_ready(300)

@@ -1,12 +1,12 @@
 """Following the top suggestion with `diagnose --verify`, on the scenarios where a rerun is cheap
-(the bundled model, bf16, the workloads of tests/test_analysis_causes.py):
+(the bundled model, bf16 or fp32 by the CPU, the workloads of tests/test_analysis_causes.py):
 
     queue        max_num_seqs=2, a burst of 12 requests of 24-72 prompt tokens -> more --max-num-seqs (TTFT p99)
     prefill      lone prompts sharing a 768-token beginning, prefix caching off -> --enable-prefix-caching
                  (TTFT p50)
     stall        prefill-first, 1024-token prompts among streams of 32 or 48 tokens -> --policy chunked (ITL p99)
     kv-capacity  a 4 MiB cache for 10 growing requests         -> more --kv-cache-memory (TTFT p50)
-    decode-kv    32 sequences decoding over a cached 3000-token prefix -> fewer --max-num-seqs (ITL p50)
+    decode-kv    32 sequences decoding over a cached 3000-token prefix (8000 serving fp32) -> fewer --max-num-seqs (ITL p50)
 
 The decode-kv run is test_analysis_causes.py's, except that its short wave's outputs vary (8 to 32
 tokens), so its decode batches run 8 to 32 sequences: with every decode at 32 the calibration
@@ -47,7 +47,8 @@ from phaselab.analysis.advice import LABEL, TARGET
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.analysis.predict import LOWER_IS_BETTER
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
-from tests.test_analysis_causes import PREFILL_ENGINE, prefill_arrivals
+from tests._model_helpers import serving_dtype
+from tests.test_analysis_causes import PREFILL_ENGINE, kv_bound_prefix, prefill_arrivals
 
 pytestmark = pytest.mark.slow
 REL = 0.25
@@ -59,7 +60,7 @@ def checkpoint():
 
     from phaselab.model.loader import load_checkpoint
 
-    return load_checkpoint(None, torch.bfloat16)
+    return load_checkpoint(None, getattr(torch, serving_dtype()))
 
 
 def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
@@ -85,11 +86,12 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
         return prefill_arrivals(), dict(PREFILL_ENGINE), "--enable-prefix-caching"
     if name == "decode-kv":
         rng = np.random.default_rng(2)
-        prefix = random_prompt(rng, 3000)
+        # 3000 tokens serving bf16; fp32 needs a longer history to be K/V-bound (kv_bound_prefix)
+        prefix = random_prompt(rng, 3000 if serving_dtype() == "bfloat16" else kv_bound_prefix())
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 8 + 8 * (i % 4), at_s=0.0) for i in range(32)]
         arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
         arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 48, after_finished="warm") for i in range(32)]
-        return arrivals, {"max_model_len": 4096}, "--max-num-seqs"
+        return arrivals, {"max_model_len": 8192, "kv_cache_memory": "1GiB"}, "--max-num-seqs"
     rng = np.random.default_rng(3)
     return ([Arrival(f"k{i}", random_prompt(rng, 48), 48, at_s=0.0) for i in range(10)],
             {"kv_cache_memory": "4MiB", "max_num_seqs": 10, "max_model_len": 112}, "--kv-cache-memory")
@@ -105,7 +107,7 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
     target = TARGET[cause]
     outcomes = []
     for attempt in range(3):
-        engine = LLMEngine(EngineArgs(dtype="bfloat16", **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}),
+        engine = LLMEngine(EngineArgs(dtype=serving_dtype(), **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}),
                            checkpoint=checkpoint)
         run_arrivals(engine, arrivals)
         path = tmp_path / f"{cause}{attempt}"
@@ -163,7 +165,7 @@ def test_rerun_hits_the_prefix_cache_where_the_run_did(checkpoint, tmp_path):
     arrivals += [Arrival(f"hit{i}", prefix + random_prompt(rng, 20 + 7 * i), 3, after_finished="fill") for i in range(3)]
 
     def hits(arrivals):
-        engine = LLMEngine(EngineArgs(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512), checkpoint=checkpoint)
+        engine = LLMEngine(EngineArgs(dtype=serving_dtype(), kv_cache_memory="64MiB", max_model_len=512), checkpoint=checkpoint)
         run_arrivals(engine, arrivals)
         return engine, {m.request_id: m.num_cached_tokens for m in engine.finished_requests}
 
