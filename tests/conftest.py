@@ -40,3 +40,23 @@ def prompts(llm_fp32) -> list[list[int]]:
     from tests._model_helpers import make_prompts
 
     return make_prompts(llm_fp32.get_tokenizer())
+
+
+LONG_TEST_S = 120.0
+_config = []
+
+
+def pytest_configure(config):
+    _config.append(config)
+
+
+def pytest_runtest_logreport(report):
+    """Name every test that ran past LONG_TEST_S as it ends, with the serving dtype: CI stops at 90
+    minutes, and a run cut off there prints no --durations table (on an AVX2-only EPYC the suite
+    once ran past it serving bf16)."""
+    terminal = _config[0].pluginmanager.get_plugin("terminalreporter") if _config else None
+    if report.when == "call" and report.duration > LONG_TEST_S and terminal is not None:
+        from tests._model_helpers import serving_dtype
+
+        terminal.write_line(f"\n[long test] {report.nodeid}: {report.duration:.0f} s ({report.outcome}, "
+                                f"serving {serving_dtype()})")

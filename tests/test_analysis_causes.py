@@ -31,7 +31,7 @@ import pytest
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.obs.rundir import read_run_dir
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
-from tests._model_helpers import serving_dtype
+from tests._model_helpers import kv_memory, serving_dtype
 
 pytestmark = pytest.mark.slow
 REL = 0.15
@@ -50,7 +50,7 @@ def _engine(checkpoint, **kw):
     from phaselab.config import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
-    kw = {"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}
+    kw = {"kv_cache_memory": kv_memory(256), "max_model_len": 2048, **kw}
     return LLMEngine(EngineArgs(dtype=serving_dtype(), **kw),
                      checkpoint=checkpoint)
 
@@ -178,9 +178,9 @@ def kv_bound_prefix() -> int:
     per-sequence compute. Serving bf16 (a CPU with AVX512-BF16 or AMX), 5000 tokens: at 1600 the two
     were even, and at 3000 again once the decode attention got faster (decode-kv 42.7% against
     decode-step 41.5% of the run). Serving fp32 (tests/_model_helpers.serving_dtype: an AVX2-only
-    EPYC), the linear layers are compute-bound at 32 rows (steps of 200-240 ms at short histories
-    against 100-140 in bf16 on AVX-512) and at 5000 decode-step led twice (44% against decode-kv
-    30%): 8000 there."""
+    EPYC), the dense fp32 linear layers are compute-bound at 32 rows (steps of 200-330 ms at short
+    histories against 100-140 in bf16 on AVX-512) and at 5000 decode-step led in 4 of 5 attempts
+    (42-46% against decode-kv 30-32%), also with the AVX2 four-row pass: 8000 there."""
     return 5000 if serving_dtype() == "bfloat16" else 8000
 
 
@@ -202,13 +202,13 @@ def test_decode_kv_bound(checkpoint, tmp_path):
     prefix = random_prompt(rng, kv_bound_prefix())
     outcomes = []
     for attempt in range(3):
-        engine = _engine(checkpoint, max_model_len=8192, kv_cache_memory="1GiB")
+        engine = _engine(checkpoint, max_model_len=8192, kv_cache_memory=kv_memory(512))
         steps, ctxs = _per_history_token(engine, rng, prefix, rounds=1)
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
         arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
         arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 48, after_finished="warm") for i in range(32)]
         path = tmp_path / f"decode{attempt}"
-        d, run = _run(_engine(checkpoint, max_model_len=8192, kv_cache_memory="1GiB"), arrivals, path)
+        d, run = _run(_engine(checkpoint, max_model_len=8192, kv_cache_memory=kv_memory(512)), arrivals, path)
         # the long histories came from the cache
         assert sum(m.num_cached_tokens for m in run.requests) >= 32 * (len(prefix) - 16)
         after_steps, after_ctxs = _per_history_token(engine, rng, prefix, rounds=1)
@@ -288,7 +288,7 @@ def test_kv_capacity_with_preemption(checkpoint, tmp_path):
     the raw iteration records."""
     rng = np.random.default_rng(3)
     arrivals = [Arrival(f"k{i}", random_prompt(rng, 48), 48, at_s=0.0) for i in range(10)]
-    engine = _engine(checkpoint, kv_cache_memory="4MiB", max_num_seqs=10, max_model_len=112)
+    engine = _engine(checkpoint, kv_cache_memory=kv_memory(4), max_num_seqs=10, max_model_len=112)
     d, _ = _run(engine, arrivals, tmp_path / "kv")
     truth = engine.scheduler.num_preemptions_total
     assert truth > 0, "the workload no longer preempts: shrink the cache"

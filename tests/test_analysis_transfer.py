@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns, serve_disagg_on_a
-from tests._model_helpers import serving_dtype
+from tests._model_helpers import kv_memory, serving_dtype
 from tests._server_helpers import free_port
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ PROMPT_TOKENS, OUTPUT_TOKENS, NUM_PROMPTS = 256, 3, 3
 
 def _serve(net: NetnsPair, hosts: RayHosts, record: str, log_path: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    args = ["--dtype", serving_dtype(), "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+    args = ["--dtype", serving_dtype(), "--kv-cache-memory", kv_memory(64), "--max-model-len", "512",
             "--no-enable-prefix-caching", "--record", record]
     return serve_disagg_on_a(net, hosts, port, args, log_path, ready_s=600)
 
@@ -131,7 +131,7 @@ def test_serving_colocated_is_predicted_and_verified_against_the_slow_link(slow_
     cli = subprocess.run([sys.executable, "-m", "phaselab", "diagnose", record, "--verify", "--no-write"],
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 2 and "--before-url URL --after-url URL" in cli.stderr, cli.stderr[-2000:]
-    colocated = ServerProcess("--dtype", serving_dtype(), "--kv-cache-memory", "64MiB", "--max-model-len", "512",
+    colocated = ServerProcess("--dtype", serving_dtype(), "--kv-cache-memory", kv_memory(64), "--max-model-len", "512",
                               "--no-enable-prefix-caching")
     try:
         colocated.wait_ready(300)

@@ -47,7 +47,7 @@ from phaselab.analysis.advice import LABEL, TARGET
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.analysis.predict import LOWER_IS_BETTER
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
-from tests._model_helpers import serving_dtype
+from tests._model_helpers import kv_memory, serving_dtype
 from tests.test_analysis_causes import PREFILL_ENGINE, kv_bound_prefix, prefill_arrivals
 
 pytestmark = pytest.mark.slow
@@ -91,10 +91,10 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 8 + 8 * (i % 4), at_s=0.0) for i in range(32)]
         arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
         arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 48, after_finished="warm") for i in range(32)]
-        return arrivals, {"max_model_len": 8192, "kv_cache_memory": "1GiB"}, "--max-num-seqs"
+        return arrivals, {"max_model_len": 8192, "kv_cache_memory": kv_memory(512)}, "--max-num-seqs"
     rng = np.random.default_rng(3)
     return ([Arrival(f"k{i}", random_prompt(rng, 48), 48, at_s=0.0) for i in range(10)],
-            {"kv_cache_memory": "4MiB", "max_num_seqs": 10, "max_model_len": 112}, "--kv-cache-memory")
+            {"kv_cache_memory": kv_memory(4), "max_num_seqs": 10, "max_model_len": 112}, "--kv-cache-memory")
 
 
 @pytest.mark.parametrize("cause", ["queue", "prefill", "stall", "kv-capacity", "decode-kv"])
@@ -107,7 +107,7 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
     target = TARGET[cause]
     outcomes = []
     for attempt in range(3):
-        engine = LLMEngine(EngineArgs(dtype=serving_dtype(), **{"kv_cache_memory": "256MiB", "max_model_len": 2048, **kw}),
+        engine = LLMEngine(EngineArgs(dtype=serving_dtype(), **{"kv_cache_memory": kv_memory(256), "max_model_len": 2048, **kw}),
                            checkpoint=checkpoint)
         run_arrivals(engine, arrivals)
         path = tmp_path / f"{cause}{attempt}"
@@ -165,7 +165,7 @@ def test_rerun_hits_the_prefix_cache_where_the_run_did(checkpoint, tmp_path):
     arrivals += [Arrival(f"hit{i}", prefix + random_prompt(rng, 20 + 7 * i), 3, after_finished="fill") for i in range(3)]
 
     def hits(arrivals):
-        engine = LLMEngine(EngineArgs(dtype=serving_dtype(), kv_cache_memory="64MiB", max_model_len=512), checkpoint=checkpoint)
+        engine = LLMEngine(EngineArgs(dtype=serving_dtype(), kv_cache_memory=kv_memory(64), max_model_len=512), checkpoint=checkpoint)
         run_arrivals(engine, arrivals)
         return engine, {m.request_id: m.num_cached_tokens for m in engine.finished_requests}
 

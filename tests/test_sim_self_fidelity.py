@@ -16,7 +16,7 @@ from phaselab.sim.fidelity import by_kind, compare, real_run, simulate_like, spe
 from phaselab.sim.report import summarize
 from phaselab.sim.workload import random_requests
 from phaselab.workload.arrivals import ArrivalPlan
-from tests._model_helpers import serving_dtype
+from tests._model_helpers import kv_memory, serving_dtype
 
 NUM_PROMPTS = 30
 INPUT_LEN, OUTPUT_LEN = "uniform:32:384", "uniform:8:48"  # the benchmark's lengths
@@ -109,7 +109,7 @@ def test_calibrated_on_one_real_run_the_simulator_predicts_another_at_another_lo
 
     # the engine's default weights (the bundled GGUF's quantized blocks): the records and the simulator price
     # the 96.5 MB a pass reads of them (obs/cost.py StoredWeights), not parameters x dtype (269 MB in bf16)
-    llm = LLM(dtype=serving_dtype(), kv_cache_memory="128MiB", max_model_len=1024, policy="chunked",
+    llm = LLM(dtype=serving_dtype(), kv_cache_memory=kv_memory(128), max_model_len=1024, policy="chunked",
               max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=False)
     engine = llm.engine
     text_ids = engine.tokenizer.encode(long_text(60))
