@@ -85,6 +85,20 @@ def test_quantized_kernel_matches_float64_reference(fmt, act, rows4):
         _check(y, x, ref, bias, f"{fmt} x {act} at {m} rows, {rows4}")
 
 
+@pytest.mark.parametrize("fmt", QUANT + ("F32", "BF16"))
+def test_kernel_over_long_rows_and_many_activation_rows(fmt, rows4):
+    """K beyond one slice of the four-row pass's panel (AVX2 builds widen 1024 elements of four
+    weight rows at a time and add the slices' sums) and more activation rows than one pass holds
+    (64), with a remainder of N % 4 rows."""
+    n, k = 10, 2080  # 65 blocks: two whole slices and a partial one
+    packed, ref = (_gguf_packed if fmt in QUANT else _dense_packed)(fmt, n, k, seed=4)
+    for m in (1, 3, 4, 7, 64, 70):
+        x = _x(m, k, torch.float32, seed=m)
+        y = torch.empty(m, n)
+        qlinear.linear(fmt, packed.data, n, k, x, y, torch.empty(m * k), None)
+        _check(y, x, ref, None, f"{fmt} ({n}x{k}) at {m} rows, {rows4}")
+
+
 # the vdpbf16ps variant (use_dp) exists only for bf16 weights with bf16 activations
 @pytest.mark.parametrize(("fmt", "act", "use_dp"), [
     ("F32", torch.float32, False), ("F32", torch.bfloat16, False),

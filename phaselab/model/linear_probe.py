@@ -360,7 +360,8 @@ def _batched_stream(fmt: str, act_dtype: torch.dtype, rounds: int = 3) -> dict[s
 def _rows4_formats(act_dtype: torch.dtype) -> tuple[str, ...]:
     """The formats whose kernel has the four-weight-row pass at this activation dtype: not a layout
     re-laid for vdpbf16ps (Q4_1X) nor BF16 x bf16 on vdpbf16ps, which have their own loops."""
-    if not qlinear.features()["avx512"]:  # the pass is built only with AVX-512 (qlinear.c)
+    feats = qlinear.features()
+    if not (feats["avx512"] or feats["avx2"]):  # the pass is built with AVX-512 or AVX2 (qlinear.c)
         return ()
     dp = act_dtype == torch.bfloat16 and qlinear.features()["avx512_bf16_dot"]
     return tuple(f for f in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32")

@@ -459,6 +459,66 @@ static inline void store32_8(void *out, int64_t at, int out_bf16, const __m256 v
         _mm256_storeu_si256((__m256i *)((uint16_t *)out + at + 16 * i),
                             _mm256_permute4x64_epi64(_mm256_packus_epi32(r[2 * i], r[2 * i + 1]), 0xd8));
 }
+
+/* Four weight rows against many activation rows (the batched decode), AVX2's counterpart of
+ * dot_rows4. With 16 vector registers a block of four widened rows does not fit beside the
+ * accumulators, and widening each block again for every group of activation rows (as dot_rows8
+ * does per row) costs more than the FMAs it feeds. So the four rows are widened once per slice
+ * of PANEL_K elements into a panel on the stack (L1), and every group of PANEL_MT activation rows
+ * runs over it: per 8 elements, PANEL_MT x loads and 4 panel loads feed 4 * PANEL_MT FMAs, 12
+ * independent accumulators. Partial sums of each slice are added in float32 (K > PANEL_K: a
+ * different summation order, as any blocking is). */
+#define PANEL_K 1024
+#define PANEL_M 64
+#define PANEL_MT 3
+
+/* res[r * PANEL_M + m] += panel row r . x[m] over n elements (p: row stride ps floats) */
+static inline __attribute__((always_inline)) void panel_dot(const float *p, int64_t ps, const float *x, int64_t K,
+                                                            int64_t n, int mt, float *res) {
+    __m256 acc[4][PANEL_MT];
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+        _Pragma("GCC unroll 3") for (int m = 0; m < mt; m++) acc[r][m] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < n; k += 8) {
+        __m256 xv[PANEL_MT];
+        _Pragma("GCC unroll 3") for (int m = 0; m < mt; m++) {
+            xv[m] = _mm256_loadu_ps(x + m * K + k);
+            __asm__("" : "+x"(xv[m])); /* in a register: GCC would fold the load into each FMA (below too) */
+        }
+        _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++) {
+            __m256 w = _mm256_loadu_ps(p + r * ps + k);
+            __asm__("" : "+x"(w));
+            _Pragma("GCC unroll 3") for (int m = 0; m < mt; m++) acc[r][m] = _mm256_fmadd_ps(w, xv[m], acc[r][m]);
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < 4; r++)
+        _Pragma("GCC unroll 3") for (int m = 0; m < mt; m++) res[r * PANEL_M + m] += hadd8(acc[r][m]);
+}
+
+static void panel_group(const float *p, int64_t ps, const float *x, int64_t K, int64_t n, int mt, float *res) {
+    switch (mt) {
+    case 1: panel_dot(p, ps, x, K, n, 1, res); break;
+    case 2: panel_dot(p, ps, x, K, n, 2, res); break;
+    default: panel_dot(p, ps, x, K, n, PANEL_MT, res); break;
+    }
+}
+
+/* the four rows from wr (row stride rb bytes), elements [k0, k0 + n), widened into panel (stride
+ * PANEL_K); n and k0 multiples of 32 */
+static void panel_fill(int fmt, const uint8_t *wr, int64_t rb, int64_t k0, int64_t n, float *panel) {
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *w = wr + r * rb;
+        float *out = panel + r * PANEL_K;
+        for (int64_t b = 0; b < n / 32; b++) {
+            __m256 v[4];
+            if (fmt >= FMT_Q8_0) {
+                deq_block8(fmt, w + (k0 / 32 + b) * BLOCK_BYTES[fmt], v);
+            } else {
+                _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) v[i] = dense8(fmt, w, k0 + b * 32 + 8 * i);
+            }
+            store32_8(out, b * 32, 0, v);
+        }
+    }
+}
 #endif /* QL_AVX2 */
 
 #if !QL_AVX512 && !QL_AVX2
@@ -697,6 +757,43 @@ static void rows4_chunk(void *ctx, int64_t c) {
 }
 #endif
 
+#if QL_AVX2
+/* units are groups of four weight rows from n0 (panel_dot); K a multiple of 32 */
+static void rows4_chunk(void *ctx, int64_t c) {
+    const ql_job *j = (const ql_job *)ctx;
+    const int64_t q0 = c * j->units / j->nchunks, q1 = (c + 1) * j->units / j->nchunks;
+    float panel[4 * PANEL_K] __attribute__((aligned(32)));
+    float res[4 * PANEL_M];
+    for (int64_t nq = q0; nq < q1; nq++) {
+        const int64_t n = j->n0 + nq * 4;
+        const uint8_t *wr = j->w + n * j->rb;
+        for (int64_t m0 = 0; m0 < j->M; m0 += PANEL_M) {
+            const int64_t mm = j->M - m0 < PANEL_M ? j->M - m0 : PANEL_M;
+            memset(res, 0, sizeof res);
+            for (int64_t k0 = 0; k0 < j->K; k0 += PANEL_K) {
+                const int64_t kn = j->K - k0 < PANEL_K ? j->K - k0 : PANEL_K;
+                const float *p = panel;
+                int64_t ps = PANEL_K;
+                if (j->fmt == FMT_F32) { /* already float32: the rows themselves */
+                    p = (const float *)wr + k0;
+                    ps = j->K;
+                } else {
+                    panel_fill(j->fmt, wr, j->rb, k0, kn, panel);
+                }
+                for (int64_t mi = 0; mi < mm; mi += PANEL_MT) {
+                    const int mt = (int)(mm - mi < PANEL_MT ? mm - mi : PANEL_MT);
+                    panel_group(p, ps, j->xf + (m0 + mi) * j->K + k0, j->K, kn, mt, res + mi);
+                }
+            }
+            for (int r = 0; r < 4; r++) {
+                const float bn = j->bias ? j->bias[n + r] : 0.f;
+                for (int64_t m = 0; m < mm; m++) store_out(j, m0 + m, n + r, res[r * PANEL_M + m] + bn);
+            }
+        }
+    }
+}
+#endif
+
 /* units are single weight rows from n0, each used for up to MR activation rows at a time */
 static void rows1_chunk(void *ctx, int64_t c) {
     const ql_job *j = (const ql_job *)ctx;
@@ -753,8 +850,9 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
     }
     ql_job j = {.fmt = fmt, .y_bf16 = y_bf16, .dp = dp, .w = (const uint8_t *)w, .N = N, .K = K, .M = M,
                 .rb = row_bytes(fmt, K), .xf = xf, .bias = bias, .x = x, .y = y};
-#if QL_AVX512
-    /* 4 or more activation rows: four weight rows per pass (dot_rows4), the last N % 4 rows below */
+#if QL_AVX512 || QL_AVX2
+    /* from rows4_min activation rows: four weight rows per pass (dot_rows4; AVX2: panel_dot), the
+     * last N % 4 rows below */
     const int64_t n4 = (M >= g_rows4_min[fmt] && !dp && K % 32 == 0) ? N / 4 * 4 : 0;
     if (n4 > 0) {
         j.n0 = 0;
