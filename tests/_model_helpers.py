@@ -130,16 +130,14 @@ def serving_dtype() -> str:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"PHASELAB_TEST_DTYPE={forced!r}: use float32 or bfloat16")
         return forced
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & set(flags) else "float32"
+    from phaselab.model.linear_probe import cpu_info
+
+    isa = cpu_info()["isa"]
+    return "bfloat16" if isa["avx512_bf16"] or isa["amx_tile"] else "float32"
 
 
 def kv_memory(bf16_mib: int) -> str:
     """--kv-cache-memory for as many KV blocks as `bf16_mib` MiB holds in bf16, in serving_dtype():
     the workloads were sized in blocks (a 4 MiB cache is 11 blocks of the bundled model in bf16, 5 in
     fp32, where a request growing to 6 blocks could never run)."""
-    return f"{bf16_mib * (2 if serving_dtype() == 'float32' else 1)}MiB"
+    return f"{bf16_mib * getattr(torch, serving_dtype()).itemsize // 2}MiB"

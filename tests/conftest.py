@@ -59,4 +59,4 @@ def pytest_runtest_logreport(report):
         from tests._model_helpers import serving_dtype
 
         terminal.write_line(f"\n[long test] {report.nodeid}: {report.duration:.0f} s ({report.outcome}, "
-                                f"serving {serving_dtype()})")
+                            f"serving {serving_dtype()})")

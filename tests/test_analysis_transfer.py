@@ -28,6 +28,7 @@ import sys
 
 import httpx
 import pytest
+import torch
 
 from tests._netns import NetnsPair, NetnsUnavailable, RayHosts, require_netns, serve_disagg_on_a
 from tests._model_helpers import kv_memory, serving_dtype
@@ -53,7 +54,7 @@ def _kv_bytes_per_block() -> int:
     from phaselab.spec.gguf import open_gguf, read_gguf_config
 
     cfg = read_gguf_config(open_gguf(default_model_path()))
-    itemsize = 2 if serving_dtype() == "bfloat16" else 4  # the cache holds the served dtype
+    itemsize = getattr(torch, serving_dtype()).itemsize  # the cache holds the served dtype
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * itemsize * 16  # K and V, 16 tokens
 
 
