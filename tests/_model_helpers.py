@@ -136,6 +136,20 @@ def serving_dtype() -> str:
     return "bfloat16" if isa["avx512_bf16"] or isa["amx_tile"] else "float32"
 
 
+def serving_checkpoint():
+    """The bundled model as the workload tests serve it, loaded once per module. Serving bf16 (AVX512-BF16
+    or AMX): widened to dense bf16 at load, the path these scenarios were sized on. Serving fp32: the
+    GGUF's quantized blocks kept and read by the native kernel, as the engine's default keeps them there
+    (linear_probe.decide picks the q path). Widened to dense fp32 instead, torch's GEMM ran a decode
+    step at batch 2 slower than at batch 1 and at batch 4 (an AVX2-only EPYC: 78, 150 and 136 ms,
+    against 38, 41 and 39 ms on the blocks), a cost curve no serving engine has and the one the
+    diagnosis was then asked to explain."""
+    from phaselab.model.loader import load_checkpoint
+
+    dtype = serving_dtype()
+    return load_checkpoint(None, getattr(torch, dtype), keep_packed=dtype == "float32")
+
+
 def kv_memory(bf16_mib: int) -> str:
     """--kv-cache-memory for as many KV blocks as `bf16_mib` MiB holds in bf16, in serving_dtype():
     the workloads were sized in blocks (a 4 MiB cache is 11 blocks of the bundled model in bf16, 5 in

@@ -5,8 +5,8 @@ phaselab.workload.driver.run_arrivals):
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
     prefill-bound    long prompts, few requests, one at a time, two output tokens, all beginning with the
                      same 768 tokens and prefix caching off
-    decode/KV-bound  long histories (a 5000-token shared prefix served by the prefix cache; 8000
-                     serving fp32), batch 32; truth: the same batch at short histories
+    decode/KV-bound  long histories (a 5000-token shared prefix served by the prefix cache), batch 32;
+                     truth: the same batch at short histories
     KV capacity      a 4 MiB cache for 10 growing requests; truth: the scheduler's preemption count
     healthy          a few spaced requests: no queue, stall or KV-capacity finding of weight
     stall            prefill-first, two 1024-token prompts arriving among four decoding streams
@@ -31,7 +31,7 @@ import pytest
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.obs.rundir import read_run_dir
 from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
-from tests._model_helpers import kv_memory, serving_dtype
+from tests._model_helpers import kv_memory, serving_checkpoint, serving_dtype
 
 pytestmark = pytest.mark.slow
 REL = 0.15
@@ -39,11 +39,7 @@ REL = 0.15
 
 @pytest.fixture(scope="module")
 def checkpoint():
-    import torch
-
-    from phaselab.model.loader import load_checkpoint
-
-    return load_checkpoint(None, getattr(torch, serving_dtype()))
+    return serving_checkpoint()
 
 
 def _engine(checkpoint, **kw):
@@ -177,11 +173,11 @@ def kv_bound_prefix() -> int:
     sequence's K/V read per step must clearly outweigh its share of the weights and the
     per-sequence compute. Serving bf16 (a CPU with AVX512-BF16 or AMX), 5000 tokens: at 1600 the two
     were even, and at 3000 again once the decode attention got faster (decode-kv 42.7% against
-    decode-step 41.5% of the run). Serving fp32 (tests/_model_helpers.serving_dtype: an AVX2-only
-    EPYC), the dense fp32 linear layers are compute-bound at 32 rows (steps of 200-330 ms at short
-    histories against 100-140 in bf16 on AVX-512) and at 5000 decode-step led in 4 of 5 attempts
-    (42-46% against decode-kv 30-32%), also with the AVX2 four-row pass: 8000 there."""
-    return 5000 if serving_dtype() == "bfloat16" else 8000
+    decode-step 41.5% of the run). Serving fp32 (an AVX2-only EPYC) on the quantized blocks
+    (tests/_model_helpers.serving_checkpoint), 5000 too: decode-kv 46.1% against decode-step 24.0%
+    (steps of 133 ms at short histories, 448 ms at 5000). On weights widened to dense fp32, whose
+    32-row steps took 200-330 ms at short histories, decode-step had led in 4 of 5 attempts at 5000."""
+    return 5000
 
 
 def test_decode_kv_bound(checkpoint, tmp_path):
