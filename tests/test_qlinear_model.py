@@ -158,6 +158,41 @@ def test_weights_option_and_record(tmp_path, monkeypatch):
         _engine(gguf_path)
 
 
+def test_native_rows_follow_the_probe_past_a_near_tie_at_one_row(tmp_path, monkeypatch):
+    """max_native_rows against the probe's own table, for a GGUF (q path) and a dense checkpoint (the
+    engine dtype's native path): at every probed row count up to it the kernel was within the tie
+    factor of the GEMM it hands over to, at it the kernel was the faster, and at the next probed
+    count it lost (or none is left). The table an AVX2-only EPYC measured for F32 (the kernel 278 us
+    against the GEMM's 261 at one row, 1.8-2.5x faster from 2 to 64 rows) keeps every decode size
+    on the kernel; a clear loss at one row keeps none."""
+    from phaselab.model.linear_probe import TIE, _crossover
+
+    monkeypatch.delenv("PHASELAB_LINEAR", raising=False)
+    gguf_path = _tiny_gguf(tmp_path, tie=True)
+    dense = load_checkpoint(gguf_path, torch.float32)
+    for engine in (_engine(gguf_path, dtype="float32"), LLMEngine(EngineArgs(dtype="float32"), checkpoint=dense)):
+        lin = engine.linear
+        if lin.path == "torch":
+            continue
+        fmt = {"q": "Q4_1", "bf16": "BF16", "fp32": "F32"}[lin.path]
+        table = lin.probe["rows"][fmt]
+        gemm = "resident" if lin.batched == "resident" or fmt == "F32" else "tile"
+        upto = [r for r in CROSSOVER_ROWS if r <= lin.max_native_rows]
+        assert all(table[str(r)]["native"] <= table[str(r)][gemm] * TIE for r in upto), (lin.max_native_rows, table)
+        if upto:
+            assert table[str(upto[-1])]["native"] <= table[str(upto[-1])][gemm]
+        above = [r for r in CROSSOVER_ROWS if r > lin.max_native_rows]
+        if above:
+            nxt = table[str(above[0])]
+            assert nxt["native"] > nxt[gemm], (lin.max_native_rows, table)
+    measured = {"1": (278e-6, 261e-6), "2": (304e-6, 544e-6), "4": (419e-6, 1276e-6), "8": (726e-6, 3038e-6),
+                "16": (1404e-6, 2902e-6), "32": (2889e-6, 5707e-6), "64": (5063e-6, 6374e-6)}
+    table = {r: {"native": n, "resident": g} for r, (n, g) in measured.items()}
+    assert _crossover(table, "resident") == 64
+    table["1"]["native"] = 261e-6 * TIE * 1.01
+    assert _crossover(table, "resident") == 0
+
+
 # -- the bundled model ---------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
