@@ -43,6 +43,7 @@ def prompts(llm_fp32) -> list[list[int]]:
 
 
 LONG_TEST_S = 120.0
+LONG_TEST_LINES = 4  # of a long test's own output, printed with its name
 _config = []
 
 
@@ -60,3 +61,7 @@ def pytest_runtest_logreport(report):
 
         terminal.write_line(f"\n[long test] {report.nodeid}: {report.duration:.0f} s ({report.outcome}, "
                             f"serving {serving_dtype()})")
+        # what it printed last (the attempts of a test that measures again before it fails): a
+        # passing test's output is otherwise never shown, and a pass on its third attempt costs twice
+        for line in [x for x in report.capstdout.splitlines() if x.strip()][-LONG_TEST_LINES:]:
+            terminal.write_line(f"    {line[:300]}")
