@@ -163,9 +163,9 @@ def test_native_rows_follow_the_probe_past_a_near_tie_at_one_row(tmp_path, monke
     engine dtype's native path): at every probed row count up to it the kernel was within the tie
     factor of the GEMM it hands over to, at it the kernel was the faster, and at the next probed
     count it lost (or none is left). The table an AVX2-only EPYC measured for F32 (the kernel 278 us
-    against the GEMM's 261 at one row, 1.8-2.5x faster from 2 to 64 rows) keeps every decode size
+    against the GEMM's 261 at one row, 1.3-4.2x faster from 2 to 64 rows) keeps every decode size
     on the kernel; a clear loss at one row keeps none."""
-    from phaselab.model.linear_probe import TIE, _crossover
+    from phaselab.model.linear_probe import TIE, _crossover, crossover_table
 
     monkeypatch.delenv("PHASELAB_LINEAR", raising=False)
     gguf_path = _tiny_gguf(tmp_path, tie=True)
@@ -174,9 +174,7 @@ def test_native_rows_follow_the_probe_past_a_near_tie_at_one_row(tmp_path, monke
         lin = engine.linear
         if lin.path == "torch":
             continue
-        fmt = {"q": "Q4_1", "bf16": "BF16", "fp32": "F32"}[lin.path]
-        table = lin.probe["rows"][fmt]
-        gemm = "resident" if lin.batched == "resident" or fmt == "F32" else "tile"
+        table, gemm = crossover_table(lin.path, lin.batched, lin.probe)
         upto = [r for r in CROSSOVER_ROWS if r <= lin.max_native_rows]
         assert all(table[str(r)]["native"] <= table[str(r)][gemm] * TIE for r in upto), (lin.max_native_rows, table)
         if upto:

@@ -228,16 +228,22 @@ def _probe_format(path: str, act_dtype: torch.dtype) -> str:
     return "BF16" if path == "bf16" else "F32"
 
 
-def _rows_for(path: str, batched: str, probe: dict[str, Any]) -> int:
-    """Largest probed row count (consecutive from 1) at which the kernel beats the GEMM it would
-    hand over to: on the stored weight (dense path in the engine dtype), resident or tile."""
+def crossover_table(path: str, batched: str, probe: dict[str, Any]) -> tuple[dict[str, dict[str, float]], str] | None:
+    """The probe's per-row timings for `path`'s format and the GEMM the kernel hands over to above
+    max_native_rows: on the stored weight (dense path in the engine dtype) "resident", else `batched`
+    (resident or tile). None when the probe has no table for it."""
     fmt = {"q": "Q4_1", "bf16": "BF16", "fp32": "F32"}.get(path)
     table = probe.get("rows", {}).get(fmt)
     if not table:
-        return DEFAULT_MAX_NATIVE_ROWS
+        return None
     direct = fmt == {"bfloat16": "BF16", "float32": "F32"}.get(probe.get("dtype", ""))
-    gemm = "resident" if batched == "resident" or direct else "tile"
-    return _crossover(table, gemm)
+    return table, "resident" if batched == "resident" or direct else "tile"
+
+
+def _rows_for(path: str, batched: str, probe: dict[str, Any]) -> int:
+    """max_native_rows from the probe (`_crossover`), or the default when it has no table."""
+    found = crossover_table(path, batched, probe)
+    return _crossover(*found) if found else DEFAULT_MAX_NATIVE_ROWS
 
 
 def _crossover(table: dict[str, dict[str, float]], gemm: str) -> int:
