@@ -62,6 +62,54 @@ def test_silu_mul_matches_torch(T, N) -> None:
     assert (ulps == 0).float().mean().item() >= 0.999
 
 
+# -- float32 (what an AVX2-only CPU serves): against a float64 reference ------------------------
+# torch's float32 ops round each step once, and so do the kernels, except for the sum of squares
+# (any order: its relative error is within N/2 units of 2^-24 in the worst case, half that moves
+# the statistic's square root) and exp (simd.h's). Each bound below is
+# those plus one unit per remaining rounding; torch's own result must sit within it too.
+
+def _within(got: torch.Tensor, ref: torch.Tensor, rel: float | torch.Tensor, what: str) -> None:
+    err = (got.double() - ref).abs()
+    bound = rel * ref.abs() + 1e-30
+    assert bool((err <= bound).all()), f"{what}: worst excess {(err - bound).max():.3g}"
+
+
+@pytest.mark.parametrize(("T", "N"), [(1, 576), (7, 576), (300, 576), (5, 17), (130, 2048)])
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm_f32_within_float32_rounding(T, N, add) -> None:
+    g = torch.Generator().manual_seed(T * 37 + N)
+    x = torch.randn(T, N, generator=g) * 3
+    res = torch.randn(T, N, generator=g) * 5
+    w = torch.rand(N, generator=g) + 0.5
+    want_res = x + res if add else res.clone()
+    r = want_res.double()
+    ref = r * torch.rsqrt((r * r).mean(-1, keepdim=True) + 1e-5) * w.double()
+    got_res = res.clone()
+    got = kernels.add_rms_norm(x if add else None, got_res, w, 1e-5)
+    assert got.dtype == torch.float32 and got.shape == (T, N)
+    assert torch.equal(got_res, want_res), "the residual add is one float32 add, as torch's"
+    rel = (N / 2 + 6) * 2.0**-24  # the sum of squares, sqrt + division, two products
+    _within(got, ref, rel, "kernel")
+    _within(torch.rms_norm(want_res, (N,), w, 1e-5), ref, rel, "torch")  # the bound is fair: torch meets it
+
+
+@pytest.mark.parametrize(("T", "N"), [(1, 1536), (9, 1536), (300, 1536), (3, 21)])
+def test_silu_mul_f32_within_float32_rounding(T, N) -> None:
+    g = torch.Generator().manual_seed(T + 7 * N)
+    gu = torch.randn(T, 2 * N, generator=g) * 4
+    gu[0, :4] = torch.tensor([-200.0, 200.0, 0.0, -0.0])  # saturated exp both ways, and zeros
+    gate, up = gu.double().split(N, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    got = kernels.silu_mul(gu)
+    assert got.dtype == torch.float32 and got.shape == (T, N)
+    # exp: the polynomial's 2e-7, and the argument's rounding (x log2 e rounded to float32 before
+    # the power: |g| units of 2^-24 relative); then the add, the division and the product
+    rel = 2e-7 + (gate.abs() + 4) * 2.0**-24
+    _within(got, ref, rel, "kernel")
+    g32, u32 = gu.split(N, dim=-1)
+    _within(F.silu(g32) * u32, ref, rel, "torch")
+
+
 def test_rows_split_over_threads_equal_rows_alone() -> None:
     """A call large enough to go to the thread pool equals the same rows computed one by one."""
     g = torch.Generator().manual_seed(9)
@@ -80,9 +128,11 @@ def test_rows_split_over_threads_equal_rows_alone() -> None:
 
 def test_bad_input_gets_a_clear_error() -> None:
     x = torch.zeros(4, 8, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="contiguous bfloat16"):
+    with pytest.raises(ValueError, match="one dtype"):  # float32 x against a bf16 residual
         kernels.add_rms_norm(x.float(), x.clone(), torch.ones(8, dtype=torch.bfloat16), 1e-5)
-    with pytest.raises(ValueError, match="contiguous bfloat16"):
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        kernels.add_rms_norm(None, x.half(), torch.ones(8, dtype=torch.float16), 1e-5)
+    with pytest.raises(ValueError, match="contiguous"):
         kernels.add_rms_norm(torch.zeros(4, 16, dtype=torch.bfloat16)[:, ::2], x.clone(),
                              torch.ones(8, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match=r"\(T, 2N\)"):

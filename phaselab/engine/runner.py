@@ -44,14 +44,12 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None  # decode gather buffer (torch fallback), grown on demand
         # decodes read K/V in place through the native kernel when it builds here (model/kernels)
         self.native_decode = kernels.supports(dtype)
-        # a decode-only bf16 batch runs RoPE + K/V write + attention as one native call (bit-identical;
-        # PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
-        self.fused_decode = (self.native_decode and dtype == torch.bfloat16
-                             and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0")
-        # residual add + RMSNorm and SiLU * up as one native call each in bf16 (kernels/elementwise.c;
+        # a decode-only batch runs RoPE + K/V write + attention as one native call (bit-identical, bf16
+        # and float32; PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
+        self.fused_decode = self.native_decode and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0"
+        # residual add + RMSNorm and SiLU * up as one native call each (kernels/elementwise.c;
         # PHASELAB_NATIVE_ELEMENTWISE=0 keeps torch's ops)
-        model.native_elementwise = (self.native_decode and dtype == torch.bfloat16
-                                    and os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0")
+        model.native_elementwise = self.native_decode and os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0"
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
         self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 

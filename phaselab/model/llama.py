@@ -38,8 +38,8 @@ class RMSNorm(nn.Module):
         return self.weight * torch.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
     def add_norm(self, x: torch.Tensor | None, residual: torch.Tensor, native: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); x None: (norm(residual), residual). `native`: one bf16
-        call (kernels.add_rms_norm, the same roundings) that updates `residual` in place."""
+        """(norm(x + residual), x + residual); x None: (norm(residual), residual). `native`: one call
+        (kernels.add_rms_norm, the same roundings) that updates `residual` in place."""
         if native:
             return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual
         if x is not None:
@@ -144,7 +144,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        if native:  # bf16: SiLU(gate) * up in one call (kernels.silu_mul, torch's roundings)
+        if native:  # SiLU(gate) * up in one call (kernels.silu_mul, torch's roundings)
             return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -194,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # set by linear.install on the native paths: the LM head over packed weights
         self.head: nn.Module | None = None
-        # bf16 elementwise glue through kernels/elementwise.c (set by the runner where it applies)
+        # elementwise glue through kernels/elementwise.c (set by the runner where it applies)
         self.native_elementwise = False
 
     @property

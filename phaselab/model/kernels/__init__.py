@@ -63,7 +63,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
 # run the lower paths of every kernel on any CPU that has them
 ISA_ENV = "PHASELAB_KERNEL_ISA"
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
-_ABI = 6
+_ABI = 7
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -167,9 +167,13 @@ def _load() -> ctypes.CDLL | None:
             r = lib.rope_write_kv
             r.restype = ctypes.c_int
             r.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp] + [i64] * 4
-            lib.add_rms_norm.restype = lib.silu_mul.restype = ctypes.c_int
-            lib.add_rms_norm.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
-            lib.silu_mul.argtypes = [vp, vp, i64, i64]
+            g32 = lib.decode_rope_attend_f32
+            g32.restype = ctypes.c_int
+            g32.argtypes = g.argtypes
+            for fn in (lib.add_rms_norm, lib.add_rms_norm_f32, lib.silu_mul, lib.silu_mul_f32):
+                fn.restype = ctypes.c_int
+            lib.add_rms_norm.argtypes = lib.add_rms_norm_f32.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
+            lib.silu_mul.argtypes = lib.silu_mul_f32.argtypes = [vp, vp, i64, i64]
             for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool, lib.elementwise_set_pool):
                 setter.argtypes = [ctypes.c_void_p]
                 setter(pool_address())
@@ -301,19 +305,19 @@ def paged_decode(
 
 
 def decode_rope_attend(
-    qkv: torch.Tensor,  # (B, (H + 2*KVH) * D) bfloat16: the fused projection's output, rows contiguous
-    cos: torch.Tensor,  # (B, D) bfloat16: each row's position (RotaryEmbedding's tables, cast)
+    qkv: torch.Tensor,  # (B, (H + 2*KVH) * D) bfloat16 or float32: the fused projection's output, rows contiguous
+    cos: torch.Tensor,  # (B, D) in qkv's dtype: each row's position (RotaryEmbedding's tables, cast)
     sin: torch.Tensor,
-    kv_cache: torch.Tensor,  # (2, num_blocks, BS, KVH, D) bfloat16: this layer's cache
+    kv_cache: torch.Tensor,  # (2, num_blocks, BS, KVH, D) in qkv's dtype: this layer's cache
     slot_mapping: torch.Tensor,  # (B,) int64
     block_tables: torch.Tensor,  # (B, max_blocks) int64
     seq_lens: torch.Tensor,  # (B,) int64: tokens each row attends to, its own included
     num_heads: int,
     scale: float,
 ) -> torch.Tensor:
-    """A decode-only batch's RoPE, K/V write and paged attention in one call: (B, H*D) bfloat16.
+    """A decode-only batch's RoPE, K/V write and paged attention in one call: (B, H*D) in qkv's dtype.
 
-    Bit-identical to apply_rope + write_kv + paged_decode + the cast to bf16 (paged_decode.c says
+    Bit-identical to apply_rope + write_kv + paged_decode (+ the cast to bf16) (paged_decode.c says
     where each rounding happens; tests/test_attention_fused.py compares them). The runner checks
     the dtypes and layout once per step (`AttentionMetadata.fused_decode`), so nothing is checked
     here beyond what the C side refuses.
@@ -321,9 +325,10 @@ def decode_rope_attend(
     lib = _require("paged_decode")
     B = qkv.shape[0]
     _, _, BS, KVH, D = kv_cache.shape
-    out = torch.empty((B, num_heads * D), dtype=torch.bfloat16)
+    out = torch.empty((B, num_heads * D), dtype=qkv.dtype)
     kc, vc = kv_cache[0], kv_cache[1]
-    rc = lib.decode_rope_attend(
+    fn = lib.decode_rope_attend_f32 if qkv.dtype == torch.float32 else lib.decode_rope_attend
+    rc = fn(
         qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(),
         slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), out.data_ptr(),
         B, num_heads, KVH, D, BS, scale,
@@ -405,30 +410,34 @@ def prefill_attend(
 
 
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """bf16 `residual += x` (in place; x None: no add), then RMSNorm(residual) * weight, as a new tensor.
+    """`residual += x` (in place; x None: no add), then RMSNorm(residual) * weight, as a new tensor.
 
-    (T, N) bfloat16, contiguous. Torch's roundings (elementwise.c); for the decoder layer's hot path,
-    so shapes are the caller's to get right beyond what is checked here.
+    (T, N) bfloat16 or float32, contiguous. Torch's roundings (elementwise.c; in float32 up to the
+    order of the sum of squares); for the decoder layer's hot path, so shapes are the caller's to
+    get right beyond what is checked here.
     """
     lib = _require("add_rms_norm")
     T, N = residual.shape
-    if residual.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not residual.is_contiguous() or (
-            x is not None and (x.dtype != torch.bfloat16 or x.shape != residual.shape or not x.is_contiguous())):
-        raise ValueError("add_rms_norm: contiguous bfloat16 (T, N) tensors of one shape expected")
+    dt = residual.dtype
+    if dt not in (torch.bfloat16, torch.float32) or weight.dtype != dt or not residual.is_contiguous() or (
+            x is not None and (x.dtype != dt or x.shape != residual.shape or not x.is_contiguous())):
+        raise ValueError("add_rms_norm: contiguous (T, N) tensors of one shape and one dtype "
+                         "(bfloat16 or float32) expected")
     out = torch.empty_like(residual)
-    lib.add_rms_norm(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+    (lib.add_rms_norm_f32 if dt == torch.float32 else lib.add_rms_norm)(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                      T, N, eps)
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """bf16 SiLU(gate) * up of a fused (T, 2N) projection, as torch rounds it: (T, N)."""
+    """SiLU(gate) * up of a fused (T, 2N) projection, as torch rounds it (float32: up to exp's last
+    bits): (T, N) in its dtype."""
     lib = _require("silu_mul")
     T, N2 = gate_up.shape
-    if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or N2 % 2:
-        raise ValueError("silu_mul: a contiguous bfloat16 (T, 2N) tensor expected")
-    out = torch.empty((T, N2 // 2), dtype=torch.bfloat16)
-    lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
+    if gate_up.dtype not in (torch.bfloat16, torch.float32) or not gate_up.is_contiguous() or N2 % 2:
+        raise ValueError("silu_mul: a contiguous bfloat16 or float32 (T, 2N) tensor expected")
+    out = torch.empty((T, N2 // 2), dtype=gate_up.dtype)
+    (lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul)(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
     return out
 
 

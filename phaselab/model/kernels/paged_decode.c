@@ -283,6 +283,46 @@ int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos,
     return 0;
 }
 
+/* decode_rope_attend for a float32 model: the same call with float32 qkv, tables, cache and output.
+ * torch's float32 RoPE rounds each product and the sum once, x * cos + rotate_half(x) * sin with no
+ * fused multiply-add; the library is built with contraction allowed, so this function turns it off
+ * (bit-identical to apply_rope + write_kv + paged_decode; tests/test_attention_fused.py). */
+__attribute__((optimize("fp-contract=off"))) static void rope_row_f32(const float *x, const float *c,
+                                                                      const float *s, int64_t D, float *y) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < half; d++) {
+        const float a = x[d] * c[d], b = -x[d + half] * s[d];
+        y[d] = a + b;
+    }
+    for (int64_t d = half; d < D; d++) {
+        const float a = x[d] * c[d], b = x[d - half] * s[d];
+        y[d] = a + b;
+    }
+}
+
+int decode_rope_attend_f32(const float *qkv, int64_t stride, const float *cos, const float *sin, float *kc, float *vc,
+                           const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *lens,
+                           float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
+    if (KVH <= 0 || H % KVH != 0 || D <= 0 || D % 2 != 0 || D > MAX_HEAD_DIM || BS <= 0 || B <= 0) return 1;
+    if (stride < (H + 2 * KVH) * D) return 1;
+    const size_t need = (size_t)(B * H * D);
+    if (need > tl_io_len) {
+        float *b = realloc(tl_io, need * sizeof(float));
+        if (!b) return 2;
+        tl_io = b;
+        tl_io_len = need;
+    }
+    float *qf = tl_io;
+    for (int64_t b = 0; b < B; b++) {
+        const float *row = qkv + b * stride, *c = cos + b * D, *sn = sin + b * D;
+        const int64_t slot = slots[b];
+        for (int64_t h = 0; h < H; h++) rope_row_f32(row + h * D, c, sn, D, qf + (b * H + h) * D);
+        for (int64_t h = 0; h < KVH; h++) rope_row_f32(row + (H + h) * D, c, sn, D, kc + (slot * KVH + h) * D);
+        memcpy(vc + slot * KVH * D, row + (H + KVH) * D, sizeof(float) * (size_t)(KVH * D));
+    }
+    return paged_decode(qf, kc, vc, 0, tables, max_blocks, lens, out, B, H, KVH, D, BS, scale);
+}
+
 /* -- RoPE + K/V write for any batch (prefill chunks, mixed steps) ------------------------------
  * The same roundings as decode_rope_attend's first half (bit-identical to apply_rope + write_kv),
  * for T rows of a step that the fused decode call does not cover: the rotated q heads go to q_out
@@ -322,4 +362,4 @@ int rope_write_kv(const uint16_t *qkv, int64_t stride, const uint16_t *cos, cons
     return 0;
 }
 
-int phaselab_kernel_abi(void) { return 6; }
+int phaselab_kernel_abi(void) { return 7; }

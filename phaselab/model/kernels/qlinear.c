@@ -391,13 +391,18 @@ static inline __attribute__((always_inline)) void deq_block8(int fmt, const uint
         d = _mm256_set1_ps(df);
         m = _mm256_set1_ps(-8.f * df);
     }
-    const __m128i q = _mm_loadu_si128((const __m128i *)(b + (q41 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i ql = _mm_and_si128(q, mask), qh = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(ql)), d, m);
-    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(ql, 8))), d, m);
-    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(qh)), d, m);
-    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(qh, 8))), d, m);
+    /* each half of the 16 bytes widened to 32-bit lanes straight from memory, then the nibbles
+     * split there (bytes 0-7 hold elements 0-7 and 16-23, bytes 8-15 elements 8-15 and 24-31).
+     * Splitting the nibbles in bytes first and widening from a register (two more shuffles) ran
+     * 1.33x slower on an AMD EPYC (Zen 3): Q4_1 at one row, one thread, 118 -> 88 ps per weight. */
+    const uint8_t *qs = b + (q41 ? 4 : 2);
+    const __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    const __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    v[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lo, mask)), d, m);
+    v[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(hi, mask)), d, m);
+    v[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4)), d, m);
+    v[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4)), d, m);
 }
 
 /* 8 dense weights from element k (whole vectors only; tails are summed in scalar) */
