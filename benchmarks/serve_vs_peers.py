@@ -914,7 +914,7 @@ def build_servers(ns: argparse.Namespace) -> list[Server]:
                                       ns.phaselab_omp_wait_policy))
         elif kind == "vllm":
             env = {"VLLM_CPU_KVCACHE_SPACE": str(ns.kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": ns.vllm_threads_bind,
-                   "DTYPE": "bfloat16", "ENFORCE_EAGER": "1" if ns.vllm_eager else "0",
+                   "DTYPE": ns.vllm_dtype, "ENFORCE_EAGER": "1" if ns.vllm_eager else "0",
                    "START_TIMEOUT_S": "900"}
             if ns.vllm_threads_bind != "auto":
                 env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
@@ -922,7 +922,8 @@ def build_servers(ns: argparse.Namespace) -> list[Server]:
                        "core 1 for its API server and engine core") if ns.vllm_threads_bind == "auto" else \
                 f"VLLM_CPU_OMP_THREADS_BIND={ns.vllm_threads_bind}, VLLM_CPU_NUM_OF_RESERVED_CPU=0"
             out.append(PeerServer("vllm", "vllm", ns.vllm_port, ns.peers_dir, peers_home, env, {
-                "env": env, "dtype": "bfloat16 (HF float32 copy of the Q4_1 GGUF, cast at load)",
+                "env": env, "dtype": (f"{ns.vllm_dtype} (HF float32 copy of the Q4_1 GGUF, cast at load)" if ns.vllm_dtype != "float32"
+                          else "float32 (HF float32 copy of the Q4_1 GGUF, its dequantized values as they are)"),
                 "threads_desc": threads, "chunked_prefill": "on (max_num_batched_tokens 2048, vLLM's CPU default)",
                 "prefix_caching": "on (default)", "kv_cache": f"{ns.kv_cache_gib} GiB",
                 "torch_compile": "off (ENFORCE_EAGER=1)" if ns.vllm_eager else "on (vLLM default)"}))
@@ -1067,6 +1068,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vllm-threads-bind", default="auto",
                     help="VLLM_CPU_OMP_THREADS_BIND (auto: vLLM's default, one OpenMP thread on 2 cores)")
     ap.add_argument("--vllm-eager", action="store_true", help="ENFORCE_EAGER=1 (no torch.compile)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="vLLM's --dtype (float32 on a CPU without AVX-512, where torch emulates bf16)")
     ap.add_argument("--kv-cache-gib", type=int, default=1, help="KV cache of phaselab and vLLM (GiB)")
     ap.add_argument("--phaselab-port", type=int, default=PORTS["phaselab"])
     ap.add_argument("--vllm-port", type=int, default=PORTS["vllm"])
