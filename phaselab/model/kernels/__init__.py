@@ -424,8 +424,8 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
         raise ValueError("add_rms_norm: contiguous (T, N) tensors of one shape and one dtype "
                          "(bfloat16 or float32) expected")
     out = torch.empty_like(residual)
-    (lib.add_rms_norm_f32 if dt == torch.float32 else lib.add_rms_norm)(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                     T, N, eps)
+    fn = lib.add_rms_norm_f32 if dt == torch.float32 else lib.add_rms_norm
+    fn(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), T, N, eps)
     return out
 
 
@@ -437,7 +437,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.dtype not in (torch.bfloat16, torch.float32) or not gate_up.is_contiguous() or N2 % 2:
         raise ValueError("silu_mul: a contiguous bfloat16 or float32 (T, 2N) tensor expected")
     out = torch.empty((T, N2 // 2), dtype=gate_up.dtype)
-    (lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul)(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
+    fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul
+    fn(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
     return out
 
 

@@ -246,8 +246,8 @@ static void silu32_item(void *ctx, int64_t item) {
         const __m256 one = _mm256_set1_ps(1.f);
         for (; i + 8 <= N; i += 8) {
             const __m256 gv = _mm256_loadu_ps(g + i);
-            /* exp_ps8 clamps its argument at 127 * ln 2: a gate below -88 gives g / (1 + 2^127 * 1.4),
-             * about -0 (torch: exactly -0 or a denormal), never inf / inf */
+            /* exp_ps8 clamps its power of two at 127: a gate below -88 gives g / (1 + ~2^127), a
+             * tiny negative number (torch: -0 or a denormal), never inf / inf */
             const __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp_ps8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
             _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
         }

@@ -253,23 +253,33 @@ static void rope_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, in
     }
 }
 
-static _Thread_local float *tl_io = NULL; /* the caller's float32 q and output, grown on demand */
+static _Thread_local float *tl_io = NULL; /* the caller's float32 q (and bf16's output), grown on demand */
 static _Thread_local size_t tl_io_len = 0;
+
+static float *io_buffer(size_t n) {
+    if (n > tl_io_len) {
+        float *b = realloc(tl_io, n * sizeof(float));
+        if (!b) return NULL;
+        tl_io = b;
+        tl_io_len = n;
+    }
+    return tl_io;
+}
+
+/* what both fused calls accept: GQA groups, an even head size within MAX_HEAD_DIM, whole qkv rows */
+static int fused_shape_ok(int64_t stride, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+    return KVH > 0 && H % KVH == 0 && D > 0 && D % 2 == 0 && D <= MAX_HEAD_DIM && BS > 0 && B > 0 &&
+           stride >= (H + 2 * KVH) * D;
+}
 
 int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
                        uint16_t *vc, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                        const int64_t *lens, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                        float scale) {
-    if (KVH <= 0 || H % KVH != 0 || D <= 0 || D % 2 != 0 || D > MAX_HEAD_DIM || BS <= 0 || B <= 0) return 1;
-    if (stride < (H + 2 * KVH) * D) return 1;
-    const size_t need = (size_t)(2 * B * H * D);
-    if (need > tl_io_len) {
-        float *b = realloc(tl_io, need * sizeof(float));
-        if (!b) return 2;
-        tl_io = b;
-        tl_io_len = need;
-    }
-    float *qf = tl_io, *of = tl_io + B * H * D;
+    if (!fused_shape_ok(stride, B, H, KVH, D, BS)) return 1;
+    float *qf = io_buffer((size_t)(2 * B * H * D));
+    if (!qf) return 2;
+    float *of = qf + B * H * D;
     for (int64_t b = 0; b < B; b++) {
         const uint16_t *row = qkv + b * stride, *c = cos + b * D, *sn = sin + b * D;
         const int64_t slot = slots[b];
@@ -303,16 +313,9 @@ __attribute__((optimize("fp-contract=off"))) static void rope_row_f32(const floa
 int decode_rope_attend_f32(const float *qkv, int64_t stride, const float *cos, const float *sin, float *kc, float *vc,
                            const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *lens,
                            float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
-    if (KVH <= 0 || H % KVH != 0 || D <= 0 || D % 2 != 0 || D > MAX_HEAD_DIM || BS <= 0 || B <= 0) return 1;
-    if (stride < (H + 2 * KVH) * D) return 1;
-    const size_t need = (size_t)(B * H * D);
-    if (need > tl_io_len) {
-        float *b = realloc(tl_io, need * sizeof(float));
-        if (!b) return 2;
-        tl_io = b;
-        tl_io_len = need;
-    }
-    float *qf = tl_io;
+    if (!fused_shape_ok(stride, B, H, KVH, D, BS)) return 1;
+    float *qf = io_buffer((size_t)(B * H * D)); /* the output goes straight to `out` */
+    if (!qf) return 2;
     for (int64_t b = 0; b < B; b++) {
         const float *row = qkv + b * stride, *c = cos + b * D, *sn = sin + b * D;
         const int64_t slot = slots[b];
