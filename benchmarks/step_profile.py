@@ -5,6 +5,9 @@ its own overhead would be a large share of a 20 ms step):
 
     linear      every linear layer and the LM head (PackedLinear / nn.Linear forwards)
     attention   paged attention (KV write + decode kernel; on the fused decode path, RoPE too)
+    layers      a fused decode step's decoder layers in one native call (kernels.decode_layers: its
+                linear layers, attention and norms inside; PHASELAB_DECODE_LAYERS=0 splits it into
+                the parts above); linear then holds the LM head only
     sampling    the sampler
     model other the rest of the forward: embedding, norms, RoPE, SiLU*up, residual adds
     engine      everything else in step(): scheduling, input preparation, outputs, Python
@@ -65,6 +68,8 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
     llama.paged_attention = timers.wrap("attention", orig_attn)
     orig_fused = llama.kernels.decode_rope_attend  # the fused decode path: RoPE + KV write + attention
     llama.kernels.decode_rope_attend = timers.wrap("attention", orig_fused)
+    orig_layers = llama.kernels.decode_layers  # every decoder layer of a fused decode step, one call
+    llama.kernels.decode_layers = timers.wrap("layers", orig_layers)
     model.forward = timers.wrap("model", model.forward)
     eng.executor.sampler.sample = timers.wrap("sampling", eng.executor.sampler.sample)
     try:
@@ -91,12 +96,14 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
     finally:
         llama.paged_attention = orig_attn
         llama.kernels.decode_rope_attend = orig_fused
+        llama.kernels.decode_layers = orig_layers
         if model.head is None:
             llama.F.linear = orig_linear
     parts = {
         "linear": t.get("linear", 0.0),
         "attention": t.get("attention", 0.0),
-        "model other": t.get("model", 0.0) - t.get("linear", 0.0) - t.get("attention", 0.0),
+        "layers": t.get("layers", 0.0),
+        "model other": t.get("model", 0.0) - t.get("linear", 0.0) - t.get("attention", 0.0) - t.get("layers", 0.0),
         "sampling": t.get("sampling", 0.0),
     }
     parts["engine"] = total - t.get("model", 0.0) - t.get("sampling", 0.0)
@@ -128,7 +135,8 @@ def main() -> None:
                               "kernel_threads": kernels.pool_description(),
                               "fused_decode": os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0",
                               "fused_timed_as": "attention",  # decode_rope_attend is wrapped with paged_attention
-                              "native_elementwise": os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0"}
+                              "native_elementwise": os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0",
+                              "decode_layers": os.environ.get("PHASELAB_DECODE_LAYERS", "1") != "0"}
     for cfg in args.configs:
         # DTYPE/PATH[+BATCHED]: PATH forced through PHASELAB_LINEAR ("auto": the start-up probe
         # decides, as `phaselab serve` does), BATCHED through PHASELAB_BATCHED (tile | resident)

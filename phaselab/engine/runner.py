@@ -50,6 +50,9 @@ class ModelRunner:
         # residual add + RMSNorm and SiLU * up as one native call each (kernels/elementwise.c;
         # PHASELAB_NATIVE_ELEMENTWISE=0 keeps torch's ops)
         model.native_elementwise = self.native_decode and os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0"
+        # a fused decode step's decoder layers as one native call (kernels.decode_layers, bit-identical to
+        # the layer loop on the calls above; PHASELAB_DECODE_LAYERS=0 keeps the loop)
+        model.decode_layers = os.environ.get("PHASELAB_DECODE_LAYERS", "1") != "0"
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
         self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 

@@ -11,6 +11,7 @@ which request, and reads/writes K/V through the paged cache (see `attention.py`)
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -19,6 +20,8 @@ from torch import nn
 
 from phaselab.errors import UnsupportedModelError
 from phaselab.model import kernels
+from phaselab.model.kernels import qlinear
+from phaselab.model.linear import PackedLinear
 from phaselab.model.attention import AttentionMetadata, paged_attention
 from phaselab.spec.config import ModelConfig
 
@@ -196,6 +199,31 @@ class LlamaForCausalLM(nn.Module):
         self.head: nn.Module | None = None
         # elementwise glue through kernels/elementwise.c (set by the runner where it applies)
         self.native_elementwise = False
+        # a fused decode step's layers in one native call (kernels.decode_layers; set by the runner)
+        self.decode_layers = False
+        self._layer_table: tuple[ctypes.Array, tuple[PackedLinear, ...]] | None | bool = False  # False: not built
+
+    def layer_table(self) -> tuple[ctypes.Array, tuple[PackedLinear, ...]] | None:
+        """The decoder layers' weights for kernels.decode_layers and their linear modules, or None
+        where the layers cannot run as one call (weights dequantized for torch: no packed blocks;
+        norms of differing eps). Built once: the weights do not move after load."""
+        if self._layer_table is False:
+            self._layer_table = None
+            layers = self.model.layers
+            linears = [(m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj, m.mlp.down_proj) for m in layers]
+            eps = {n.eps for m in layers for n in (m.input_layernorm, m.post_attention_layernorm)}
+            if all(isinstance(x, PackedLinear) for four in linears for x in four) and len(eps) == 1:
+                table = (kernels.DecodeLayer * len(layers))()
+                for entry, layer, four in zip(table, layers, linears):
+                    for i, x in enumerate(four):
+                        entry.fmt[i] = qlinear.FORMAT_IDS[x.packed.fmt]
+                        entry.w[i] = x.packed.data.data_ptr()
+                        entry.n[i], entry.k[i] = x.out_features, x.in_features
+                        entry.bias[i] = None if x.bias_f32 is None else x.bias_f32.data_ptr()
+                    entry.norm_in = layer.input_layernorm.weight.data_ptr()
+                    entry.norm_post = layer.post_attention_layernorm.weight.data_ptr()
+                self._layer_table = (table, tuple(x for four in linears for x in four))
+        return self._layer_table
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -213,8 +241,17 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         native = self.native_elementwise
         residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.model.layers):
-            h, residual = layer(h, residual, cos, sin, kv_caches[i], meta, native)
+        table = self.layer_table() if meta.fused_decode and native and self.decode_layers else None
+        # (the linear layers' row limit read per call: tests and the start-up probe move it)
+        if table is not None and all(h.shape[0] <= x.max_native_rows for x in table[1]):
+            a = self.model.layers[0].self_attn
+            residual = h
+            h = kernels.decode_layers(table[0], residual, cos, sin, kv_caches, meta.slot_mapping,
+                                      meta.decode_block_tables, meta.decode_seq_lens, a.num_heads, a.scale,
+                                      self.model.layers[0].input_layernorm.eps)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                h, residual = layer(h, residual, cos, sin, kv_caches[i], meta, native)
         assert residual is not None, "a model has at least one layer"
         if logits_indices is not None:  # only the rows that sample go through the norm and LM head (copies)
             h, residual = h[logits_indices], residual[logits_indices]

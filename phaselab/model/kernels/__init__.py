@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOURCE's library
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")  # likewise
+DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
 SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the three: part of the build key
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
@@ -63,7 +64,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
 # run the lower paths of every kernel on any CPU that has them
 ISA_ENV = "PHASELAB_KERNEL_ISA"
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
-_ABI = 7
+_ABI = 8
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -114,7 +115,8 @@ def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
     return hashlib.sha256(src + cc.encode() + " ".join(_flags()).encode() + _cpu_flags().encode()).hexdigest()[:16]
 
 
-def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, SIMD_HEADER)) -> Path:
+def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, DECODE_LAYERS_SOURCE,
+                                                        SIMD_HEADER)) -> Path:
     """Compile `source` (one file, or several linked into one library; headers listed for the
     build key only) once per build key."""
     sources = tuple(p for p in (source if isinstance(source, tuple) else (source,)) if p.suffix == ".c")
@@ -174,6 +176,10 @@ def _load() -> ctypes.CDLL | None:
                 fn.restype = ctypes.c_int
             lib.add_rms_norm.argtypes = lib.add_rms_norm_f32.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
             lib.silu_mul.argtypes = lib.silu_mul_f32.argtypes = [vp, vp, i64, i64]
+            lib.decode_layers.restype = ctypes.c_int
+            lib.decode_layers.argtypes = [vp, i64, i64, ctypes.c_int] + [vp] * 6 + [i64, i64] + [vp, vp, i64, vp] \
+                + [i64] * 4 + [ctypes.c_float] * 2
+            lib.decode_layers_set_qlinear.argtypes = [vp]
             for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool, lib.elementwise_set_pool):
                 setter.argtypes = [ctypes.c_void_p]
                 setter(pool_address())
@@ -440,6 +446,62 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul
     fn(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
     return out
+
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's weights for `decode_layers` (decode_layers.c's dl_layer): qkv, o, gate_up
+    and down as qlinear reads them, and the two RMSNorm weights."""
+
+    _fields_ = [("fmt", ctypes.c_int32 * 4), ("w", ctypes.c_void_p * 4), ("n", ctypes.c_int64 * 4),
+                ("k", ctypes.c_int64 * 4), ("bias", ctypes.c_void_p * 4), ("norm_in", ctypes.c_void_p),
+                ("norm_post", ctypes.c_void_p)]
+
+
+def decode_layers(
+    layers: ctypes.Array,  # DecodeLayer per decoder layer (the tensors they point to kept alive by the caller)
+    emb: torch.Tensor,  # (B, hidden) the embedding: the residual stream, updated in place
+    cos: torch.Tensor,  # (B, D) in emb's dtype
+    sin: torch.Tensor,
+    kv_caches: torch.Tensor,  # (layers, 2, num_blocks, BS, KVH, D) in emb's dtype, contiguous
+    slot_mapping: torch.Tensor,  # (B,) int64
+    block_tables: torch.Tensor,  # (B, max_blocks) int64
+    seq_lens: torch.Tensor,  # (B,) int64
+    num_heads: int,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """Every decoder layer of a decode-only batch in one call (decode_layers.c): the last layer's MLP
+    output (B, hidden); `emb` leaves as the residual stream. Bit-identical to the Python layer loop
+    on its native path (tests/test_decode_layers.py); shapes are the caller's to get right."""
+    from phaselab.model.kernels import qlinear
+
+    lib = _require("decode_layers")
+    _bind_qlinear(lib, qlinear)
+    B = emb.shape[0]
+    _, _, _, BS, KVH, D = kv_caches.shape
+    out = torch.empty_like(emb)
+    el = kv_caches.element_size()
+    rc = lib.decode_layers(
+        ctypes.addressof(layers), len(layers), B, int(emb.dtype == torch.bfloat16), None, emb.data_ptr(),
+        out.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(), kv_caches.stride(0) * el,
+        kv_caches.stride(1) * el, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), num_heads, KVH, D, BS, scale, eps,
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode_layers failed (code {rc}: 1 = a shape or weight format the kernels refuse, "
+                           "2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one call at a time")
+    return out
+
+
+_qlinear_bound = False
+
+
+def _bind_qlinear(lib: ctypes.CDLL, qlinear) -> None:  # type: ignore[no-untyped-def]
+    """Hand qlinear.c's entry point to decode_layers.c once (the two are separate libraries)."""
+    global _qlinear_bound
+    if not _qlinear_bound:
+        lib.decode_layers_set_qlinear(ctypes.cast(qlinear._lib_or_raise().qlinear, ctypes.c_void_p))
+        _qlinear_bound = True
 
 
 def rope_write_kv(

@@ -1,0 +1,98 @@
+"""A fused decode step's decoder layers in one native call (`kernels.decode_layers`) must equal the
+Python layer loop bit for bit: it makes the same kernel calls in the same order (decode_layers.c),
+so greedy tokens and top-5 logprobs are compared for equality, not within a tolerance.
+
+The truth is the layer loop on its native path, which tests/test_attention_fused.py,
+tests/test_elementwise.py and tests/test_qlinear_model.py hold to references of their own. A spy
+counts the calls, so an equality that came from the loop running twice cannot pass.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from phaselab.config import EngineArgs
+from phaselab.core.sampling_params import SamplingParams
+from phaselab.engine.engine import LLMEngine
+from phaselab.engine.llm import LLM
+from phaselab.model import kernels
+from phaselab.model.kernels import qlinear
+from tests._loader_helpers import TINY_VOCAB_SIZE, random_weights, tiny_hf_config, write_gguf
+
+pytestmark = pytest.mark.skipif(not (kernels.available() and qlinear.available()),
+                                reason=f"native kernels unavailable: {kernels.unavailable_reason()}")
+Q = gguf.GGMLQuantizationType
+
+
+def _run_both(llm: LLM, prompts: list[list[int]], monkeypatch) -> tuple[list, list, int]:
+    """(outputs with the layers in one call, outputs with the loop, calls the first run made)."""
+    calls = []
+    real = kernels.decode_layers
+    monkeypatch.setattr(kernels, "decode_layers", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    params = SamplingParams(max_tokens=16, temperature=0, logprobs=5, ignore_eos=True)
+
+    def run() -> list[tuple[list[int], str]]:
+        return [(o.outputs[0].token_ids, repr(o.outputs[0].logprobs)) for o in llm.generate(prompts, params)]
+
+    model = llm.engine.executor.model
+    assert model.decode_layers, "PHASELAB_DECODE_LAYERS is unset: the one-call path should be on"
+    one_call = run()
+    n = len(calls)
+    model.decode_layers = False
+    try:
+        loop = run()
+    finally:
+        model.decode_layers = True
+    assert len(calls) == n, "the loop run must not go through decode_layers"
+    return one_call, loop, n
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["q", "bf16", "fp32"])
+def test_tiny_biased_model_one_call_equals_loop(tmp_path, monkeypatch, dtype, path):
+    """A 2-layer GQA Llama with q/k/v and o biases, weights in Q4_0, Q4_1 and Q8_0 (the fused qkv
+    falls back to dense rows), each forced linear path; four prompts decode together with differing
+    lengths, so batches of 1-4 rows and several cache blocks per sequence."""
+    config = tiny_hf_config(attention_bias=True)
+    weights = random_weights(config, seed=5)
+    qtypes = {n: Q.Q4_0 if n.endswith(("q_proj.weight", "k_proj.weight")) else
+              Q.Q4_1 if n.endswith(("v_proj.weight", "gate_proj.weight", "up_proj.weight")) else Q.Q8_0
+              for n in weights if n.endswith("proj.weight")}
+    monkeypatch.setenv("PHASELAB_LINEAR", path)
+    engine = LLMEngine(EngineArgs(model=write_gguf(str(tmp_path / "tiny.gguf"), config, weights, qtypes),
+                                  dtype=dtype, kv_cache_memory="8MiB", max_model_len=200, block_size=16,
+                                  enable_prefix_caching=False))  # a cached prefix takes another prefill path
+    assert engine.executor.fused_decode and engine.executor.model.native_elementwise
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, TINY_VOCAB_SIZE, n).tolist() for n in (3, 40, 17, 70)]
+    one_call, loop, calls = _run_both(LLM.from_engine(engine), prompts, monkeypatch)
+    assert calls > 0, "no decode step went through decode_layers"
+    assert one_call == loop
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bundled_model_one_call_equals_loop(monkeypatch, dtype):
+    """The bundled model (Q4_1 blocks, 30 layers): batched decodes of varied lengths."""
+    llm = LLM(dtype=dtype, kv_cache_memory="256MiB", max_model_len=1024, enable_prefix_caching=False)
+    try:
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(100, 40000, n).tolist() for n in (5, 40, 300, 17)]
+        one_call, loop, calls = _run_both(llm, prompts, monkeypatch)
+    finally:
+        llm.shutdown()
+    assert calls > 0
+    assert one_call == loop
+
+
+def test_refusal_names_the_switch():
+    """A shape the kernels refuse is an error that says how to run without the one call."""
+    import torch
+
+    layers = (kernels.DecodeLayer * 1)()  # formats 0 (F32) with no weights: n = k = 0, refused
+    emb = torch.zeros(1, 64)
+    kv = torch.zeros(1, 2, 4, 16, 2, 16)
+    with pytest.raises(RuntimeError, match="PHASELAB_DECODE_LAYERS=0"):
+        kernels.decode_layers(layers, emb, torch.zeros(1, 16), torch.zeros(1, 16), kv, torch.zeros(1, dtype=torch.long),
+                              torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 4, 0.25, 1e-5)
