@@ -83,3 +83,23 @@ def test_without_the_clock_the_order_is_fcfs() -> None:
     h.add("short", SHORT, max_tokens=2)
     plan = h.sched.schedule()
     assert [s.request_id for s in plan.scheduled] == ["long"]
+
+
+def test_prefills_yielding_to_a_head_that_does_not_fit_still_get_blocks() -> None:
+    """Hypothesis found this deadlock (test_scheduler_properties): a 17-token and a 10-token prompt
+    mid-prefill hold all three 8-token blocks, each needs one more, and a preempted 10-token prompt
+    heads the waiting queue. Both running prefills yield to it, it cannot be admitted, and they used
+    to wait for a block that nobody freed: empty plans forever. Now, with nothing else scheduled, the
+    most recently admitted one is preempted, and every request finishes with the output it has alone."""
+    h = Harness(block_size=8, num_blocks=3, budget=3, max_num_seqs=3, max_model_len=18, enable_prefix_caching=False,
+                long_prefill_token_threshold=1, max_num_partial_prefills=3, slo_ttft_ms=2000.0)
+    h.add("r0", [1] * 17)
+    h.step()
+    h.add("r1", [1] * 10)
+    h.add("r2", [1] * 10)
+    h.run(max_steps=200)
+    assert not any(not plan.scheduled and not plan.preempted_request_ids for plan in h.plans), "an idle iteration"
+    assert h.sched.num_preemptions_total >= 2  # r2 when r0 and r1 grew, then one of these for r0
+    for rid in ("r0", "r1", "r2"):
+        assert h.outputs[rid] == h.expected(rid)
+    h.assert_all_blocks_free()

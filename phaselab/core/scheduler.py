@@ -40,7 +40,8 @@ core/slo.py's prefill_rank order instead of FCFS: requests resuming after a pree
 those that have waited half their TTFT target (FCFS), then the shortest remaining prompt. With the
 chunked policy a request mid-prefill yields to the head of that queue when the head ranks before
 it (a short prompt that arrived during a long one's chunks): the admissions take the budget first
-and the yielding prefill gets what is left. FCFS strictness holds in the new order. Without a
+and the yielding prefill gets what is left (and, when the head did not fit and nothing else was
+scheduled, preempts as a running request does: otherwise no block would free up). FCFS strictness holds in the new order. Without a
 target, or without the caller's clock, the order is FCFS as above.
 
 Preemption by recompute: when a running request cannot get the block its step needs, the most
@@ -353,8 +354,12 @@ class Scheduler:
 
     def _schedule_yielded(self, plan: SchedulerOutput, budget: int) -> int:
         """The mid-prefill requests that yielded to waiting ones (_order_prefills): chunks from the
-        budget left, in running order. Nobody is preempted for them (everything else running is
-        already served this iteration): one whose blocks do not fit waits for the next."""
+        budget left, in running order. Nobody is preempted for them while anything else runs this
+        iteration (that work frees blocks as it finishes): one whose blocks do not fit waits for the
+        next. When nothing else was scheduled -- the head they yielded to did not fit either -- the
+        most recently admitted running request is preempted as _schedule_running does, or no block
+        would ever free up (hypothesis found two mid-prefill requests holding the whole cache, each
+        waiting for a block, behind a preempted head)."""
         for request in self.running:
             if budget <= 0:
                 break
@@ -364,6 +369,12 @@ class Scheduler:
             if num_new == 0:
                 continue
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            while new_block_ids is None and not plan.scheduled:  # nothing scheduled: no victim undoes work
+                victim = self.running.pop()
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+                new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
             self._add_scheduled(plan, request, num_new, new_block_ids, is_prefill=True)
