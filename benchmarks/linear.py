@@ -95,7 +95,7 @@ def run_rows(layers: list[PackedTensor], reps: int) -> dict[str, Any]:
         tile = torch.empty(tile_elems, dtype=act)
         for m in ROWS:
             xs = {p.shape[1]: torch.randn(m, p.shape[1]).to(act) for p in layers}
-            scratch = torch.empty(m * max(xs))
+            scratch = torch.empty(3 * m * max(xs))  # >= qlinear.scratch_floats of any layout
             outs = [torch.empty(m, p.shape[0], dtype=act) for p in layers]
 
             def native(fmt: str, ws: list[torch.Tensor]) -> None:

@@ -88,11 +88,14 @@ def test_resident_batched_gemm_matches_dequantized_fp32(tmp_path, monkeypatch, d
     assert summary["resident_bytes"] > 0 and summary["memory_bytes"] == summary["weight_bytes"] + summary["resident_bytes"]
     packed = [m for m in eng.executor.model.modules() if isinstance(m, PackedLinear)]
     assert all(m.direct is not None for m in packed)
-    # beside a dense copy, bf16 layers keep Q4_1 (the fused gate/up here) re-laid for vdpbf16ps
-    x_layers = sum(m.packed.fmt == "Q4_1X" for m in packed)
-    assert x_layers == (sum(m.packed.fmt in ("Q4_1", "Q4_1X") for m in packed)
-                        if dtype == "bfloat16" and qlinear.features()["avx512_bf16_dot"] else 0)
-    assert summary["kernel_layouts"] == ({"Q4_1X": x_layers} if x_layers else {})
+    # beside a dense copy, layers keep Q4_1 (the fused gate/up here) re-laid for the kernel: Q4_1X
+    # for vdpbf16ps with bf16 activations, Q4_1L in the AVX2 build, else as stored (independent of
+    # qlinear.native_format: from the build's features)
+    feats = qlinear.features()
+    layout = ("Q4_1X" if dtype == "bfloat16" and feats["avx512_bf16_dot"] else "Q4_1L" if feats["avx2"] else "Q4_1")
+    q41 = sum(m.packed.fmt in ("Q4_1", "Q4_1X", "Q4_1L") for m in packed)
+    assert q41 > 0 and sum(m.packed.fmt == layout for m in packed) == q41
+    assert summary["kernel_layouts"] == ({layout: q41} if layout != "Q4_1" else {})
     for native_rows in (0, 10**6):  # every row through the GEMM on the resident copy, then the kernel
         for m in packed:
             m.max_native_rows = native_rows

@@ -4,7 +4,8 @@ Four paths run a model's linear layers (`PATHS`):
 
     q      GGUF blocks kept as in the file (Q4_0/Q4_1/Q8_0; K-quants re-quantized to Q8_0),
            dequantized in registers by kernels/qlinear.c for small row counts (Q4_1 re-laid
-           at load as Q4_1X for vdpbf16ps with bf16 activations: qlinear.native_format)
+           at load as Q4_1X for vdpbf16ps with bf16 activations, as Q4_1L for AVX2's float32
+           FMAs: qlinear.native_format)
     bf16   weights as dense bf16 rows, the same native kernel (vdpbf16ps on bf16 activations
            where the CPU has AVX512-BF16, FMA on widened weights otherwise)
     fp32   weights as dense fp32 rows, the same native kernel
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from phaselab.model.kernels import qlinear
-from phaselab.model.quant import DENSE, REPACKED, PackedTensor, cat_rows, to_dense_format
+from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
 
 PATHS = ("q", "bf16", "fp32", "torch")
 BATCHED = ("tile", "resident")
@@ -88,8 +89,9 @@ class PackedLinear(nn.Module):
             self.direct = qlinear.dequant(packed.fmt, packed.data, n, k, torch.empty((n, k), dtype=act_dtype))
             self.resident_bytes = self.direct.numel() * self.direct.element_size()
         # The blocks in the layout the small-row kernel reads fastest (Q4_1 -> Q4_1X for bf16
-        # activations with AVX512-BF16); the tile GEMM then widens them in that layout's column
-        # order and permutes its activations to match (qlinear.kernel_order).
+        # activations with AVX512-BF16, Q4_1L in the AVX2 build); the tile GEMM then widens Q4_1X
+        # in that layout's column order and permutes its activations to match
+        # (qlinear.kernel_order), Q4_1L back into the file's order.
         layout = qlinear.native_format(packed.fmt, act_dtype)
         if layout != packed.fmt:
             n, k = packed.shape
@@ -109,7 +111,8 @@ class PackedLinear(nn.Module):
         if 0 < m <= self.max_native_rows:
             x2 = x2.contiguous()
             out = torch.empty((m, self.out_features), dtype=x.dtype)
-            scratch = self.ws.scratch(m * k) if x.dtype == torch.bfloat16 else None
+            need = qlinear.scratch_floats(self.packed.fmt, m, k, x.dtype)
+            scratch = self.ws.scratch(need) if need else None
             qlinear.linear(self.packed.fmt, self.packed.data, self.out_features, k, x2, out, scratch, self.bias_f32)
         elif self.direct is not None and x.dtype == self.direct.dtype:
             out = F.linear(x2, self.direct, self.bias_act)
@@ -121,7 +124,7 @@ class PackedLinear(nn.Module):
         n, k = self.packed.shape
         chunk = max(1, min(n, TILE_ELEMENTS // k))
         fmt, data = self.packed.fmt, self.packed.data
-        relaid = fmt in REPACKED
+        relaid = qlinear.kernel_order(fmt, k) is not None  # Q4_1X widens in its own column order
         if relaid:  # the tile's columns come in the layout's order (qlinear.kernel_order): so do x's
             x = qlinear.to_kernel_order(fmt, x.contiguous())
 

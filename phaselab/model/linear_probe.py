@@ -50,7 +50,7 @@ from phaselab.errors import ConfigError
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
 from phaselab.model.linear import BATCHED, DEFAULT_MAX_NATIVE_ROWS, ENV_VAR, PATHS
-from phaselab.model.quant import BLOCK_BYTES, row_bytes
+from phaselab.model.quant import BLOCK_BYTES, REPACKED, row_bytes
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,6 @@ def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5
     store = "BF16" if act_dtype == torch.bfloat16 else "F32"
     x = torch.randn(1, k).to(act_dtype)
     out = torch.empty(1, n, dtype=act_dtype)
-    scratch = torch.empty(k)
     runs, sizes = {}, {}
     for fmt in fmts:
         one = random_weight(store if fmt == "torch" else fmt, n, k, gen)
@@ -353,7 +352,8 @@ def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5
         else:  # in the layout the kernel reads (Q4_1X where a layer re-lays Q4_1: qlinear.native_format)
             kf = qlinear.native_format(fmt, act_dtype)
             ws = ws if kf == fmt else [qlinear.repack(kf, w, n, k) for w in ws]
-            runs[fmt] = lambda ws=ws, kf=kf: [qlinear.linear(kf, w, n, k, x, out, scratch) for w in ws]
+            scratch = torch.empty(max(1, qlinear.scratch_floats(kf, 1, k, act_dtype)))
+            runs[fmt] = lambda ws=ws, kf=kf, scratch=scratch: [qlinear.linear(kf, w, n, k, x, out, scratch) for w in ws]
     best = _best_in_turns(runs, rounds)
     return {fmt: best[fmt] / sizes[fmt] for fmt in fmts}
 
@@ -377,14 +377,15 @@ def _batched_stream(fmt: str, act_dtype: torch.dtype, rounds: int = 3) -> dict[s
 
 
 def _rows4_formats(act_dtype: torch.dtype) -> tuple[str, ...]:
-    """The formats whose kernel has the four-weight-row pass at this activation dtype: not a layout
-    re-laid for vdpbf16ps (Q4_1X) nor BF16 x bf16 on vdpbf16ps, which have their own loops."""
+    """The kernel layouts with the four-weight-row pass at this activation dtype, as layers hold
+    them (qlinear.native_format: Q4_1L in the AVX2 build): not Q4_1X (re-laid for vdpbf16ps) nor
+    BF16 x bf16 on vdpbf16ps, which have their own loops."""
     feats = qlinear.features()
     if not (feats["avx512"] or feats["avx2"]):  # the pass is built with AVX-512 or AVX2 (qlinear.c)
         return ()
     dp = act_dtype == torch.bfloat16 and qlinear.features()["avx512_bf16_dot"]
-    return tuple(f for f in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32")
-                 if qlinear.native_format(f, act_dtype) == f and not (dp and f == "BF16"))
+    kinds = [qlinear.native_format(f, act_dtype) for f in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32")]
+    return tuple(f for f in kinds if f != "Q4_1X" and not (dp and f == "BF16"))
 
 
 def _rows4_table(act_dtype: torch.dtype, rounds: int = 2) -> dict[str, dict[str, dict[str, float]]]:
@@ -396,14 +397,17 @@ def _rows4_table(act_dtype: torch.dtype, rounds: int = 2) -> dict[str, dict[str,
     table: dict[str, dict[str, dict[str, float]]] = {}
     for fmt in _rows4_formats(act_dtype):
         before = qlinear.rows4_min(fmt)
-        one = random_weight(fmt, n, k, gen)
+        stored = REPACKED.get(fmt, fmt)
+        one = random_weight(stored, n, k, gen)
+        one = one if stored == fmt else qlinear.repack(fmt, one, n, k)
         copies = max(1, PROBE_BYTES // 2 // (one.numel() * one.element_size()))
         ws = [one] + [one.clone() for _ in range(copies - 1)]
         table[fmt] = {}
         try:
             for rows in ROWS4_ROWS:
                 x = torch.randn(rows, k).to(act_dtype)
-                out, scratch = torch.empty(rows, n, dtype=act_dtype), torch.empty(rows * k)
+                out = torch.empty(rows, n, dtype=act_dtype)
+                scratch = torch.empty(max(1, qlinear.scratch_floats(fmt, rows, k, act_dtype)))
 
                 def run(start: int, ws=ws, x=x, out=out, scratch=scratch) -> None:
                     qlinear.set_rows4_min(fmt, start)
@@ -447,7 +451,7 @@ def _rows_table(fmt: str, act_dtype: torch.dtype) -> dict[str, dict[str, float]]
     for rows in CROSSOVER_ROWS:
         x = torch.randn(rows, k).to(act_dtype)
         out = torch.empty(rows, n, dtype=act_dtype)
-        scratch = torch.empty(rows * k)
+        scratch = torch.empty(max(1, qlinear.scratch_floats(kf, rows, k, act_dtype)))
         t = {"native": _time(lambda: qlinear.linear(kf, wk, n, k, x, out, scratch)),
              "resident": _time(lambda: F.linear(x, dense))}
         t["tile"] = t["resident"] if direct else _time(lambda: (qlinear.dequant(fmt, w, n, k, tile), F.linear(x, tile)))

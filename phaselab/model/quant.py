@@ -63,9 +63,10 @@ def cat_rows(parts: list[PackedTensor]) -> PackedTensor:
                         "+".join(dict.fromkeys(p.source_fmt for p in parts if p.source_fmt)))
 
 
-# Q4_1 re-laid at load for the vdpbf16ps kernel (kernels/qlinear.c, dot_rows_q41x): same bytes,
-# never read from or written to a file
-REPACKED = {"Q4_1X": "Q4_1"}
+# Q4_1 re-laid at load for the small-row kernel (kernels/qlinear.c): for vdpbf16ps (Q4_1X,
+# dot_rows_q41x) and for AVX2's float32 FMAs (Q4_1L, dot_rows_q41l). Same bytes, never read from or
+# written to a file.
+REPACKED = {"Q4_1X": "Q4_1", "Q4_1L": "Q4_1"}
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -96,13 +97,34 @@ def unpack_q4_1x(data: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(n, nb * 20)
 
 
+def unpack_q4_1l(data: torch.Tensor, k: int) -> torch.Tensor:
+    """Q4_1L rows back to Q4_1 blocks (torch, independent of the C kernel's repack): groups of 8
+    blocks hold 128 bytes, byte 8c+b being byte c of block b's nibbles, then d and m of the 8
+    blocks (fp16 each); then the nb % 8 tail blocks as Q4_1."""
+    n, nb = data.shape[0], k // 32
+    ng, nt = nb // 8, nb % 8
+    out = torch.empty(n, nb, 20, dtype=torch.uint8)
+    if ng:
+        g = data[:, :160 * ng].reshape(n, ng, 160)
+        qs = g[:, :, :128].reshape(n, ng, 16, 8).permute(0, 1, 3, 2)  # (n, g, b, c)
+        out[:, :8 * ng, 4:] = qs.reshape(n, 8 * ng, 16)
+        out[:, :8 * ng, 0:2] = g[:, :, 128:144].reshape(n, 8 * ng, 2)
+        out[:, :8 * ng, 2:4] = g[:, :, 144:160].reshape(n, 8 * ng, 2)
+    if nt:
+        out[:, 8 * ng:] = data[:, 160 * ng:160 * ng + 20 * nt].reshape(n, nt, 20)
+    return out.reshape(n, nb * 20)
+
+
+UNPACK = {"Q4_1X": unpack_q4_1x, "Q4_1L": unpack_q4_1l}
+
+
 def dequantize_blocks(fmt: str, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """float32 (N, K) from packed rows, vectorized in torch (used at load and as a check)."""
     n, k = shape
     if fmt in DENSE:
         return data.float()
     if fmt in REPACKED:
-        data, fmt = unpack_q4_1x(data, k), REPACKED[fmt]
+        data, fmt = UNPACK[fmt](data, k), REPACKED[fmt]
     blocks = data.view(n, k // 32, BLOCK_BYTES[fmt])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # (n, nb, 1)
     if fmt == "Q8_0":

@@ -11,6 +11,8 @@
  *   fmt 4  Q4_1   (N, K/32) blocks of {fp16 d; fp16 m; uint8 qs[16]} w = d * nibble + m  20 B / 32
  *   fmt 5  Q4_1X  Q4_1 re-laid at load for vdpbf16ps (bf16 activations, AVX512-BF16): 20 B / 32
  *                 (qlinear_repack; the layout and its arithmetic are described at dot_rows_q41x)
+ *   fmt 6  Q4_1L  Q4_1 re-laid at load for 8-lane float32 FMAs (AVX2 builds): one vector lane per
+ *                 block, 20 B / 32 (qlinear_repack; described at q41l_block_c and dot_rows_q41l)
  *
  * (GGML's layouts: in Q4 blocks, byte j holds element j in its low nibble, element j+16 in its
  * high one.) Activations x are (M, K) float32 or bfloat16; bf16 rows are widened once per call
@@ -55,7 +57,8 @@
 #define QL_DPBF16 0
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_Q4_1X = 5 };
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_Q4_1X = 5, FMT_Q4_1L = 6 };
+#define FMT_LAST FMT_Q4_1L
 #define MR 8
 #ifndef ROWS4_MIN
 #define ROWS4_MIN 4 /* default: activation rows from which four weight rows are processed together */
@@ -63,9 +66,9 @@ enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_
 /* per format, the activation rows from which four weight rows are processed together (dot_rows4);
  * set by the start-up probe (qlinear_set_rows4_min): where it pays differs between CPUs. On an AMD
  * EPYC the Q8_0 head at 4 rows took 3.1 ms four weight rows at a time and 1.1 ms one at a time. */
-static int g_rows4_min[FMT_Q4_1X + 1] = {[0 ... FMT_Q4_1X] = ROWS4_MIN};
+static int g_rows4_min[FMT_LAST + 1] = {[0 ... FMT_LAST] = ROWS4_MIN};
 
-static const int BLOCK_BYTES[6] = {0, 0, 34, 18, 20, 20};
+static const int BLOCK_BYTES[FMT_LAST + 1] = {0, 0, 34, 18, 20, 20, 20};
 
 static inline int64_t row_bytes(int fmt, int64_t K) {
     if (fmt == FMT_F32) return K * 4;
@@ -183,9 +186,32 @@ static inline void q41x_block_c(const uint8_t *w, int64_t nb, int64_t b, float *
     }
 }
 
+/* Q4_1L row of nb blocks: ng = nb / 8 groups of 8 blocks, then the nb % 8 tail blocks as Q4_1:
+ *   [160 B per group: 128 B of nibbles, byte 8 c + b = byte c of block b's qs (element c of the
+ *    block in its low nibble, element c + 16 in its high one); d: fp16 x 8; m: fp16 x 8]
+ *   [tail blocks, 20 B each, as Q4_1]
+ * So an 8-byte load widened to 32-bit lanes holds, in lane b, elements c and c + 16 of block b:
+ * a float32 vector's lane per block, and d and m of the group's 8 blocks apply as vectors. */
+static inline void q41l_block_c(const uint8_t *w, int64_t nb, int64_t b, float *out) {
+    const int64_t ng = nb / 8;
+    if (b >= 8 * ng) {
+        deq_block_c(FMT_Q4_1, w + 160 * ng + 20 * (b - 8 * ng), out);
+        return;
+    }
+    const uint8_t *g = w + 160 * (b / 8);
+    const int l = (int)(b % 8);
+    const float d = fp16_to_f32(g + 128 + 2 * l), m = fp16_to_f32(g + 144 + 2 * l);
+    for (int c = 0; c < 16; c++) {
+        out[c] = d * (float)(g[8 * c + l] & 0x0f) + m;
+        out[c + 16] = d * (float)(g[8 * c + l] >> 4) + m;
+    }
+}
+
 static void deq_row_c(int fmt, const uint8_t *w, int64_t K, float *out) {
     if (fmt == FMT_Q4_1X) {
         for (int64_t b = 0; b < K / 32; b++) q41x_block_c(w, K / 32, b, out + b * 32);
+    } else if (fmt == FMT_Q4_1L) {
+        for (int64_t b = 0; b < K / 32; b++) q41l_block_c(w, K / 32, b, out + b * 32);
     } else if (fmt == FMT_F32) {
         memcpy(out, w, (size_t)K * 4);
     } else if (fmt == FMT_BF16) {
@@ -509,10 +535,15 @@ static void panel_group(const float *p, int64_t ps, const float *x, int64_t K, i
 
 /* the four rows from wr (row stride rb bytes), elements [k0, k0 + n), widened into panel (stride
  * PANEL_K); n and k0 multiples of 32 */
+static void q41l_widen(const uint8_t *w, int64_t nb, int64_t k0, int64_t n, float *out, int lanes);
 static void panel_fill(int fmt, const uint8_t *wr, int64_t rb, int64_t k0, int64_t n, float *panel) {
     for (int r = 0; r < 4; r++) {
         const uint8_t *w = wr + r * rb;
         float *out = panel + r * PANEL_K;
+        if (fmt == FMT_Q4_1L) { /* k0: a multiple of PANEL_K, so of a group's 256 */
+            q41l_widen(w, rb / 20, k0, n, out, 1);
+            continue;
+        }
         for (int64_t b = 0; b < n / 32; b++) {
             __m256 v[4];
             if (fmt >= FMT_Q8_0) {
@@ -524,16 +555,167 @@ static void panel_fill(int fmt, const uint8_t *wr, int64_t rb, int64_t k0, int64
         }
     }
 }
+
+/* -- Q4_1L: a vector lane per block (layout at q41l_block_c) ----------------------------------- */
+
+/* r[i] lane j <- r[j] lane i */
+static inline void transpose8(__m256 r[8]) {
+    __m256 t[8], u[8];
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+        u[4 * h + 0] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0x44);
+        u[4 * h + 1] = _mm256_shuffle_ps(t[4 * h], t[4 * h + 2], 0xee);
+        u[4 * h + 2] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0x44);
+        u[4 * h + 3] = _mm256_shuffle_ps(t[4 * h + 1], t[4 * h + 3], 0xee);
+    }
+    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* elements [k0, k0 + n) of a Q4_1L row of nb blocks widened to float32 (k0 a multiple of 256 or at
+ * the tail, n a multiple of 32): per group, d q + m rounded once (one FMA, as deq_block8 does) with
+ * a lane per block, stored in the lanes' order (lanes = 1: element e of block b at 8 e + b, as
+ * q41l_prepare orders activations; the four-row pass's panel) or transposed back to the file's
+ * order (lanes = 0: dequant_rows); the tail blocks in the file's order either way */
+static void q41l_widen(const uint8_t *w, int64_t nb, int64_t k0, int64_t n, float *out, int lanes) {
+    const int64_t ng = nb / 8;
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    int64_t k = k0;
+    for (; k < k0 + n && k / 256 < ng; k += 256) {
+        const uint8_t *wg = w + 160 * (k / 256);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 128)));
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 144)));
+        float *o = out + (k - k0);
+        for (int h = 0; h < 2; h++) {      /* elements 0-15 (low nibbles), 16-31 (high) */
+            for (int q8 = 0; q8 < 2; q8++) { /* 8 elements c = 8 q8 + i at a time */
+                __m256 r[8];
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
+                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * (8 * q8 + i))));
+                    const __m256i v = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, mask);
+                    r[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
+                }
+                if (lanes) { /* r[i]: element 16 h + 8 q8 + i of the 8 blocks */
+                    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * (16 * h + 8 * q8 + i), r[i]);
+                } else {
+                    transpose8(r); /* r[b]: block b's elements 16 h + 8 q8 + 0..7 */
+                    _Pragma("GCC unroll 8") for (int b = 0; b < 8; b++) _mm256_storeu_ps(o + 32 * b + 16 * h + 8 * q8, r[b]);
+                }
+            }
+        }
+    }
+    for (; k < k0 + n; k += 32) {
+        __m256 v[4];
+        deq_block8(FMT_Q4_1, w + 160 * ng + 20 * (k / 32 - 8 * ng), v);
+        store32_8(out, k - k0, 0, v);
+    }
+}
+
+/* One Q4_1L row against mr activation rows. A weight is d q + m with q a nibble, so per block
+ *     w . x = d (q . x) + m sum(x),
+ * and with a lane per block, q . x of the group's 8 blocks accumulates in one vector: per 32
+ * weights one 8-byte load widened to 32-bit lanes, two masks/shifts, two conversions and two FMAs
+ * per activation row (the file's layout needs a d and m broadcast and a dequantizing FMA per block
+ * on top). d and m then apply as vectors once per 256 weights, sum(x) per block coming from the
+ * call's preparation (q41l_prepare), as do the activations in the lanes' order (xp: per group,
+ * element e of block b at 8 e + b). Tail blocks (nb % 8) run as Q4_1 on x in the file's order. */
+static inline __attribute__((always_inline)) void dot_rows_q41l(const uint8_t *w, int64_t nb, const float *xp,
+                                                                const float *x, const float *sx, int64_t K, int mr,
+                                                                float *res) {
+    enum { CH = 8 };
+    const int ch = mr == 1 ? 8 : mr == 2 ? 4 : mr <= 4 ? 2 : 1; /* independent FMA chains per row */
+    const int64_t ng = nb / 8, nt = nb % 8;
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    __m256 acc[MR];
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *wg = w + 160 * g;
+        __m256 t[MR][CH];
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
+            _Pragma("GCC unroll 8") for (int c = 0; c < ch; c++) t[m][c] = _mm256_setzero_ps();
+        _Pragma("GCC unroll 16") for (int c = 0; c < 16; c++) {
+            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * c)));
+            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
+            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+            const int c0 = (2 * c) % ch, c1 = (2 * c + 1) % ch;
+            _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+                const float *xg = xp + m * K + 256 * g;
+                t[m][c0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xg + 8 * c), t[m][c0]);
+                t[m][c1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + 8 * (c + 16)), t[m][c1]);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 128)));
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 144)));
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
+            __m256 tm = t[m][0];
+            _Pragma("GCC unroll 8") for (int c = 1; c < ch; c++) tm = _mm256_add_ps(tm, t[m][c]);
+            acc[m] = _mm256_fmadd_ps(d, tm, acc[m]);
+            acc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx + m * nb + 8 * g), acc[m]);
+        }
+    }
+    for (int64_t j = 0; j < nt; j++) {
+        __m256 v[4];
+        deq_block8(FMT_Q4_1, w + 160 * ng + 20 * j, v);
+        const float *xb = x + 32 * (8 * ng + j);
+        _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
+            _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
+                acc[m] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + m * K + 8 * i), acc[m]);
+    }
+    _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = hadd8(acc[m]);
+}
+
+#define MR_Q41L 4 /* rows per pass: see rows1_chunk */
+static void dot_group_q41l(const uint8_t *w, int64_t nb, const float *xp, const float *x, const float *sx,
+                           int64_t K, int mr, float *res) {
+    switch (mr) {
+    case 1: dot_rows_q41l(w, nb, xp, x, sx, K, 1, res); break;
+    case 2: dot_rows_q41l(w, nb, xp, x, sx, K, 2, res); break;
+    case 3: dot_rows_q41l(w, nb, xp, x, sx, K, 3, res); break;
+    default: dot_rows_q41l(w, nb, xp, x, sx, K, 4, res); break; /* rows1_chunk passes at most MR_Q41L */
+    }
+}
+
+/* the activations (float32, M x K) in Q4_1L's lane order (xp: per full group of 256 columns,
+ * element e of block b at 8 e + b, by 8x8 transposes; the tail columns as they are) and their
+ * per-block sums (sx: M x nb) */
+static void q41l_prepare(const float *x, int64_t M, int64_t K, float *xp, float *sx) {
+    const int64_t nb = K / 32, ng = nb / 8;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * K;
+        float *om = xp + m * K;
+        for (int64_t g = 0; g < ng; g++)
+            for (int e8 = 0; e8 < 4; e8++) { /* elements 8 e8 + i of the 8 blocks */
+                __m256 r[8];
+                _Pragma("GCC unroll 8") for (int b = 0; b < 8; b++) r[b] = _mm256_loadu_ps(xm + 256 * g + 32 * b + 8 * e8);
+                transpose8(r);
+                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) _mm256_storeu_ps(om + 256 * g + 8 * (8 * e8 + i), r[i]);
+            }
+        memcpy(om + 256 * ng, xm + 256 * ng, (size_t)(K - 256 * ng) * 4);
+        for (int64_t b = 0; b < nb; b++) {
+            const float *xb = xm + 32 * b;
+            const __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                           _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+            sx[m * nb + b] = hadd8(s);
+        }
+    }
+}
 #endif /* QL_AVX2 */
 
-#if !QL_AVX512 && !QL_AVX2
-/* portable: widen the row once per group of rows (on the stack when it fits), then plain dots */
+/* portable: widen the row once per group of rows (on the stack when it fits), then plain dots (the
+ * whole kernel without AVX-512 or AVX2; with them, Q4_1L outside the AVX2 build) */
 static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
     float buf[4096];
     _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = 0.f;
     for (int64_t k0 = 0; k0 < K; k0 += 4096) {
         const int64_t n = K - k0 < 4096 ? K - k0 : 4096; /* multiple of 32 except the dense tail */
-        deq_row_c(fmt, w + row_bytes(fmt, k0), n, buf);
+        if (fmt == FMT_Q4_1L) /* re-laid: block by block from the row's start */
+            for (int64_t b = 0; b < n / 32; b++) q41l_block_c(w, K / 32, k0 / 32 + b, buf + 32 * b);
+        else
+            deq_row_c(fmt, w + row_bytes(fmt, k0), n, buf);
         _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
             float s = 0.f;
             const float *xm = x + m * K + k0;
@@ -543,7 +725,6 @@ static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int
         }
     }
 }
-#endif
 
 static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t *w, const float *x, int64_t K,
                                                           int mr, float *res) {
@@ -553,6 +734,7 @@ static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t
     case FMT_BF16: dot_rows(FMT_BF16, w, x, K, mr, res); break;
     case FMT_Q8_0: dot_rows(FMT_Q8_0, w, x, K, mr, res); break;
     case FMT_Q4_0: dot_rows(FMT_Q4_0, w, x, K, mr, res); break;
+    case FMT_Q4_1L: dot_rows_c(fmt, w, x, K, mr, res); break;
     default: dot_rows(FMT_Q4_1, w, x, K, mr, res); break;
     }
 #elif QL_AVX2
@@ -561,6 +743,7 @@ static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t
     case FMT_BF16: dot_rows8(FMT_BF16, w, x, K, mr, res); break;
     case FMT_Q8_0: dot_rows8(FMT_Q8_0, w, x, K, mr, res); break;
     case FMT_Q4_0: dot_rows8(FMT_Q4_0, w, x, K, mr, res); break;
+    case FMT_Q4_1L: dot_rows_c(fmt, w, x, K, mr, res); break; /* not reached: rows1_chunk runs dot_rows_q41l */
     default: dot_rows8(FMT_Q4_1, w, x, K, mr, res); break;
     }
 #else
@@ -731,7 +914,8 @@ typedef struct {
     const void *x;
     void *y;
     const uint16_t *xp; /* Q4_1X: the activations permuted (q41x_prepare) */
-    const float *sx;    /* Q4_1X: their per-block sums */
+    const float *sx;    /* Q4_1X, Q4_1L: their per-block sums */
+    const float *xl;    /* Q4_1L: the activations in lane order (q41l_prepare) */
 } ql_job;
 
 static inline void store_out(const ql_job *j, int64_t m, int64_t n, float v) {
@@ -785,9 +969,10 @@ static void rows4_chunk(void *ctx, int64_t c) {
                 } else {
                     panel_fill(j->fmt, wr, j->rb, k0, kn, panel);
                 }
+                const float *xs = j->fmt == FMT_Q4_1L ? j->xl : j->xf; /* Q4_1L's panel: in lane order */
                 for (int64_t mi = 0; mi < mm; mi += PANEL_MT) {
                     const int mt = (int)(mm - mi < PANEL_MT ? mm - mi : PANEL_MT);
-                    panel_group(p, ps, j->xf + (m0 + mi) * j->K + k0, j->K, kn, mt, res + mi);
+                    panel_group(p, ps, xs + (m0 + mi) * j->K + k0, j->K, kn, mt, res + mi);
                 }
             }
             for (int r = 0; r < 4; r++) {
@@ -799,15 +984,23 @@ static void rows4_chunk(void *ctx, int64_t c) {
 }
 #endif
 
+/* Q4_1L runs MR_Q41L rows per pass: its group sums take registers beside the accumulators, and
+ * at 8 rows they spilled (AMD EPYC, AVX2, 2 threads: K = 1536 at 8 rows 244 ps per weight in one
+ * pass, 194 in two of 4; K = 576 140 and 156, within this machine's noise) */
+#ifndef MR_Q41L
+#define MR_Q41L MR
+#endif
+
 /* units are single weight rows from n0, each used for up to MR activation rows at a time */
 static void rows1_chunk(void *ctx, int64_t c) {
     const ql_job *j = (const ql_job *)ctx;
     const int64_t r0 = c * j->units / j->nchunks, r1 = (c + 1) * j->units / j->nchunks;
+    const int per = j->fmt == FMT_Q4_1L ? MR_Q41L : MR;
     for (int64_t n = j->n0 + r0; n < j->n0 + r1; n++) {
         const uint8_t *wr = j->w + n * j->rb;
         const float bn = j->bias ? j->bias[n] : 0.f;
-        for (int64_t m0 = 0; m0 < j->M; m0 += MR) {
-            const int mr = (int)(j->M - m0 < MR ? j->M - m0 : MR);
+        for (int64_t m0 = 0; m0 < j->M; m0 += per) {
+            const int mr = (int)(j->M - m0 < per ? j->M - m0 : per);
             float res[MR];
 #if QL_DPBF16
             if (j->fmt == FMT_Q4_1X)
@@ -817,6 +1010,12 @@ static void rows1_chunk(void *ctx, int64_t c) {
                 dot_group_dp((const uint16_t *)wr, (const uint16_t *)j->x + m0 * j->K, j->K, mr, res);
             else
 #endif
+#if QL_AVX2
+            if (j->fmt == FMT_Q4_1L)
+                dot_group_q41l(wr, j->K / 32, j->xl + m0 * j->K, j->xf + m0 * j->K, j->sx + m0 * (j->K / 32), j->K,
+                               mr, res);
+            else
+#endif
                 dot_group(j->fmt, wr, j->xf + m0 * j->K, j->K, mr, res);
             _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) store_out(j, m0 + m, n, res[m] + bn);
         }
@@ -824,13 +1023,15 @@ static void rows1_chunk(void *ctx, int64_t c) {
 }
 
 /* y (M, N) = x (M, K) W^T + bias. x_bf16 / y_bf16: 1 when that side is bfloat16.
- * scratch: float32 room for M*K values, used only when x is bf16 and must be widened.
+ * scratch: float32 room for qlinear_scratch_floats(fmt, M, K, x_bf16) values: M*K when x is bf16
+ * and must be widened (or, for Q4_1X, permuted), plus M*K + M*K/32 for Q4_1L's lane-ordered
+ * activations and block sums; NULL when that is 0.
  * use_dp: 1 to run BF16 weights x bf16 activations through vdpbf16ps (ignored when absent).
  * Output rows are cut into chunks run by the pool (qlinear_set_pool) or OpenMP's team.
  * Returns 0, or 1 for an unsupported format/shape. */
 int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, float *scratch,
             const float *bias, void *y, int y_bf16, int use_dp) {
-    if (fmt < 0 || fmt > FMT_Q4_1X || N <= 0 || K <= 0 || M <= 0) return 1;
+    if (fmt < 0 || fmt > FMT_LAST || N <= 0 || K <= 0 || M <= 0) return 1;
     if (fmt >= FMT_Q8_0 && K % 32 != 0) return 1;
     if (fmt == FMT_Q4_1X) { /* bf16 activations through vdpbf16ps only (the format exists for it) */
         if (!QL_DPBF16 || !x_bf16 || !scratch) return 1;
@@ -848,6 +1049,9 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
     }
     const int dp = QL_DPBF16 && use_dp && fmt == FMT_BF16 && x_bf16;
     const float *xf = (const float *)x;
+    if ((x_bf16 && !dp) || fmt == FMT_Q4_1L) {
+        if (!scratch) return 1;
+    }
     if (x_bf16 && !dp) {
         const uint16_t *xs = (const uint16_t *)x;
         for (int64_t i = 0; i < M * K; i++) scratch[i] = bf16_to_f32(xs[i]);
@@ -855,10 +1059,18 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
     }
     ql_job j = {.fmt = fmt, .y_bf16 = y_bf16, .dp = dp, .w = (const uint8_t *)w, .N = N, .K = K, .M = M,
                 .rb = row_bytes(fmt, K), .xf = xf, .bias = bias, .x = x, .y = y};
+#if QL_AVX2
+    if (fmt == FMT_Q4_1L) { /* lane-ordered activations and block sums, after the widened x when x is bf16 */
+        float *xl = scratch + (x_bf16 ? M * K : 0);
+        q41l_prepare(xf, M, K, xl, xl + M * K);
+        j.xl = xl;
+        j.sx = xl + M * K;
+    }
+#endif
 #if QL_AVX512 || QL_AVX2
     /* from rows4_min activation rows: four weight rows per pass (dot_rows4; AVX2: panel_dot), the
-     * last N % 4 rows below */
-    const int64_t n4 = (M >= g_rows4_min[fmt] && !dp && K % 32 == 0) ? N / 4 * 4 : 0;
+     * last N % 4 rows below (Q4_1L's pass is AVX2's only) */
+    const int64_t n4 = (M >= g_rows4_min[fmt] && !dp && K % 32 == 0 && (fmt != FMT_Q4_1L || QL_AVX2)) ? N / 4 * 4 : 0;
     if (n4 > 0) {
         j.n0 = 0;
         j.units = n4 / 4;
@@ -951,14 +1163,14 @@ int kernel_order_x(int fmt, const uint16_t *x, int64_t M, int64_t K, uint16_t *o
  * idx is NULL (R = N), else rows idx[0..R) (embedding lookup; ids checked by the caller). */
 int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *idx, int64_t R, void *out,
                  int out_bf16) {
-    if (fmt < 0 || fmt > FMT_Q4_1X || K <= 0 || (fmt >= FMT_Q8_0 && K % 32 != 0)) return 1;
+    if (fmt < 0 || fmt > FMT_LAST || K <= 0 || (fmt >= FMT_Q8_0 && K % 32 != 0)) return 1;
     if (!idx) R = N;
     const int64_t rb = row_bytes(fmt, K);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wr = (const uint8_t *)w + (idx ? idx[r] : r) * rb;
 #if QL_AVX512
-        if (fmt >= FMT_Q8_0 && fmt != FMT_Q4_1X) { /* vectorized: one block -> 32 floats or 32 bf16 (nearest even) */
+        if (fmt >= FMT_Q8_0 && fmt != FMT_Q4_1X && fmt != FMT_Q4_1L) { /* vectorized: one block -> 32 floats or 32 bf16 (nearest even) */
             const int bb = BLOCK_BYTES[fmt];
             for (int64_t b = 0; b < K / 32; b++) {
                 __m512 lo, hi;
@@ -968,6 +1180,19 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
             continue;
         }
 #elif QL_AVX2
+        if (fmt == FMT_Q4_1L) { /* a group (256 elements) at a time, then the tail blocks */
+            float buf[256] __attribute__((aligned(32)));
+            for (int64_t k0 = 0; k0 < K; k0 += 256) {
+                const int64_t n = K - k0 < 256 ? K - k0 : 256;
+                q41l_widen(wr, K / 32, k0, n, buf, 0);
+                for (int64_t b = 0; b < n / 32; b++) {
+                    __m256 v[4];
+                    _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) v[i] = _mm256_load_ps(buf + 32 * b + 8 * i);
+                    store32_8(out, r * K + k0 + 32 * b, out_bf16, v);
+                }
+            }
+            continue;
+        }
         if (fmt >= FMT_Q8_0 && fmt != FMT_Q4_1X) {
             const int bb = BLOCK_BYTES[fmt];
             for (int64_t b = 0; b < K / 32; b++) {
@@ -989,6 +1214,8 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
                 const int64_t n = K - k0 < 32 ? K - k0 : 32;
                 if (fmt == FMT_Q4_1X)
                     q41x_block_c(wr, K / 32, k0 / 32, buf);
+                else if (fmt == FMT_Q4_1L)
+                    q41l_block_c(wr, K / 32, k0 / 32, buf);
                 else
                     deq_row_c(fmt, wr + row_bytes(fmt, k0), n, buf);
                 for (int64_t j = 0; j < n; j++) o[k0 + j] = f32_to_bf16(buf[j]);
@@ -998,9 +1225,32 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
     return 0;
 }
 
-/* Q4_1 rows (N, K/32 blocks) -> Q4_1X rows (dot_rows_q41x's layout), the same bytes per row. */
+/* Q4_1 rows (N, K/32 blocks) -> Q4_1L rows (q41l_block_c's layout), the same bytes per row */
+static void repack_q41l(const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    const int64_t nb = K / 32, ng = nb / 8, nt = nb % 8, rb = 20 * nb;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *s = src + n * rb;
+        uint8_t *o = dst + n * rb;
+        for (int64_t g = 0; g < ng; g++)
+            for (int b = 0; b < 8; b++) {
+                const uint8_t *blk = s + 20 * (8 * g + b);
+                for (int c = 0; c < 16; c++) o[160 * g + 8 * c + b] = blk[4 + c];
+                memcpy(o + 160 * g + 128 + 2 * b, blk, 2);
+                memcpy(o + 160 * g + 144 + 2 * b, blk + 2, 2);
+            }
+        memcpy(o + 160 * ng, s + 160 * ng, (size_t)(20 * nt));
+    }
+}
+
+/* Q4_1 rows (N, K/32 blocks) -> Q4_1X rows (dot_rows_q41x's layout) or Q4_1L rows (q41l_block_c's),
+ * the same bytes per row. */
 int qlinear_repack(int fmt_to, const void *src, int64_t N, int64_t K, void *dst) {
-    if (fmt_to != FMT_Q4_1X || K <= 0 || K % 32 != 0 || src == dst) return 1;
+    if ((fmt_to != FMT_Q4_1X && fmt_to != FMT_Q4_1L) || K <= 0 || K % 32 != 0 || src == dst) return 1;
+    if (fmt_to == FMT_Q4_1L) {
+        repack_q41l((const uint8_t *)src, N, K, (uint8_t *)dst);
+        return 0;
+    }
     const int64_t nb = K / 32, ng = nb / 16, nt = nb % 16, rb = 20 * nb;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
@@ -1027,7 +1277,10 @@ int qlinear_repack(int fmt_to, const void *src, int64_t N, int64_t K, void *dst)
 
 int qlinear_features(void) { return QL_AVX512 | (QL_DPBF16 << 1) | (QL_AVX2 << 2); }
 void qlinear_set_rows4_min(int fmt, int rows) {
-    if (fmt >= 0 && fmt <= FMT_Q4_1X) g_rows4_min[fmt] = rows < 1 ? ROWS4_MIN : rows; /* < 1: the default */
+    if (fmt >= 0 && fmt <= FMT_LAST) g_rows4_min[fmt] = rows < 1 ? ROWS4_MIN : rows; /* < 1: the default */
 }
-int qlinear_rows4_min(int fmt) { return fmt >= 0 && fmt <= FMT_Q4_1X ? g_rows4_min[fmt] : -1; }
-int qlinear_abi(void) { return 4; }
+int qlinear_rows4_min(int fmt) { return fmt >= 0 && fmt <= FMT_LAST ? g_rows4_min[fmt] : -1; }
+int64_t qlinear_scratch_floats(int fmt, int64_t M, int64_t K, int x_bf16) {
+    return (x_bf16 ? M * K : 0) + (fmt == FMT_Q4_1L ? M * K + M * (K / 32) : 0);
+}
+int qlinear_abi(void) { return 5; }

@@ -21,9 +21,9 @@ from phaselab.model import kernels
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.c")
-FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5}
-_ABI = 4
-REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode Q4_1 from the file's blocks (float32 FMA), not Q4_1X
+FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6}
+_ABI = 5
+REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode Q4_1 from the file's blocks, not re-laid as Q4_1X / Q4_1L
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -60,6 +60,8 @@ def _load() -> ctypes.CDLL | None:
         lib.qlinear_set_rows4_min.argtypes = [ci, ci]
         lib.qlinear_rows4_min.restype = ci
         lib.qlinear_rows4_min.argtypes = [ci]
+        lib.qlinear_scratch_floats.restype = i64
+        lib.qlinear_scratch_floats.argtypes = [ci, i64, i64, ci]
         lib.qlinear_set_pool.argtypes = [vp]
         lib.qlinear_set_pool(kernels.pool_address())
         _lib = lib
@@ -97,19 +99,30 @@ def features() -> dict[str, bool]:
 def native_format(fmt: str, act_dtype: torch.dtype) -> str:
     """The layout the small-row kernel reads `fmt` fastest in, for activations of `act_dtype`:
     Q4_1 becomes Q4_1X (kernels/qlinear.c, dot_rows_q41x) for bf16 activations on a CPU with
-    AVX512-BF16, unless PHASELAB_Q4_REPACK=0; every other format stays as stored."""
-    if (fmt == "Q4_1" and act_dtype == torch.bfloat16 and os.environ.get(REPACK_ENV, "1") != "0"
-            and features()["avx512_bf16_dot"]):
+    AVX512-BF16, and Q4_1L (dot_rows_q41l: a vector lane per block) in the AVX2 build, unless
+    PHASELAB_Q4_REPACK=0; every other format stays as stored."""
+    if fmt != "Q4_1" or os.environ.get(REPACK_ENV, "1") == "0":
+        return fmt
+    feats = features()
+    if act_dtype == torch.bfloat16 and feats["avx512_bf16_dot"]:
         return "Q4_1X"
+    if feats["avx2"]:
+        return "Q4_1L"
     return fmt
 
 
 def repack(fmt_to: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Q4_1 rows re-laid as `fmt_to` (Q4_1X), a new tensor of the same shape."""
+    """Q4_1 rows re-laid as `fmt_to` (Q4_1X or Q4_1L), a new tensor of the same shape."""
     out = torch.empty_like(data)
     if _lib_or_raise().qlinear_repack(FORMAT_IDS[fmt_to], data.data_ptr(), n, k, out.data_ptr()) != 0:
         raise RuntimeError(f"qlinear_repack failed for a ({n}, {k}) weight to {fmt_to}")
     return out
+
+
+def scratch_floats(fmt: str, m: int, k: int, x_dtype: torch.dtype) -> int:
+    """float32 elements of scratch `linear` needs for m activation rows of `x_dtype` (0: none):
+    bf16 rows widened (or permuted, Q4_1X), and Q4_1L's lane-ordered rows and block sums."""
+    return int(_lib_or_raise().qlinear_scratch_floats(FORMAT_IDS[fmt], m, k, int(x_dtype == torch.bfloat16)))
 
 
 def _lib_or_raise() -> ctypes.CDLL:
@@ -136,8 +149,8 @@ def linear(fmt: str, w: torch.Tensor, n: int, k: int, x: torch.Tensor, out: torc
            scratch: torch.Tensor | None, bias: torch.Tensor | None = None, use_dp: bool = True) -> torch.Tensor:
     """out (M, N) = x (M, K) W^T + bias, W in `fmt` as stored in `w` (contiguous).
 
-    x and out: contiguous float32 or bfloat16. scratch: float32 with >= M*K elements, needed when
-    x is bf16 (widened there once). bias: float32 (N,) or None. No checks beyond the cheap ones:
+    x and out: contiguous float32 or bfloat16. scratch: float32 with >= scratch_floats(...) elements
+    (None when that is 0). bias: float32 (N,) or None. No checks beyond the cheap ones:
     the layer modules in `phaselab/model/linear.py` own the shapes.
     """
     m = x.shape[0]
