@@ -264,8 +264,9 @@ def _crossover(table: dict[str, dict[str, float]], gemm: str) -> int:
 
 
 def _cache_file(act_dtype: torch.dtype) -> Path:
+    # the layout Q4_1 runs in (PHASELAB_Q4_REPACK) changes what the q path and its four-row pass measure
     key = json.dumps([_PROBE_VERSION, qlinear.build_id(), torch.__version__, torch.get_num_threads(),
-                      str(act_dtype), cpu_info()["model"]])
+                      str(act_dtype), cpu_info()["model"], qlinear.native_format("Q4_1", act_dtype)])
     return kernels.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
