@@ -284,78 +284,84 @@ def test_layer_re_lays_q4_1_for_bf16(batched, monkeypatch):
                 _check(layer(x), x, w, b, f"{batched} layer ({want}, tile {tile_elements}) at {m} rows")
 
 
-# -- Q4_1L: Q4_1 re-laid at load with a float32 vector lane per block (the AVX2 build's layout) ----
+# -- Q4_1L / Q8_0L: blocks re-laid at load with a float32 vector lane per block (the AVX2 build's) --
 # K of 1, 3, 8, 9, 18 (the bundled model's 576: two groups and a tail), 48 (1536: groups only) and
 # 65 blocks (beyond one 1024-element slice of AVX2's four-row pass)
 L_SHAPES = ((13, 32), (37, 96), (21, 256), (19, 288), (37, 576), (11, 1536), (10, 2080))
+LANES = [("Q4_1L", "Q4_1"), ("Q8_0L", "Q8_0")]
 
 
+@pytest.mark.parametrize(("lanes", "stored"), LANES)
 @pytest.mark.parametrize(("n", "k"), L_SHAPES)
-def test_q4_1l_layout_round_trips_and_widens_exactly(n, k):
+def test_lane_layout_round_trips_and_widens_exactly(lanes, stored, n, k):
     """The C repack, undone by an independent torch reading of the documented layout, gives back
     the file's bytes; the C and torch widenings of the re-laid rows equal gguf-py's dequantization,
-    in the file's column order (the tile GEMM reads them as it reads Q4_1)."""
-    from phaselab.model.quant import unpack_q4_1l
+    in the file's column order (the tile GEMM and the embedding read them as they read the file's)."""
+    from phaselab.model.quant import UNPACK
 
-    packed, ref = _gguf_packed("Q4_1", n, k, seed=k + 5)
-    x = qlinear.repack("Q4_1L", packed.data, n, k)
+    packed, ref = _gguf_packed(stored, n, k, seed=k + 5)
+    x = qlinear.repack(lanes, packed.data, n, k)
     assert x.shape == packed.data.shape
     assert torch.equal(x, packed.data) == (k < 256)  # fewer than 8 blocks: all tail, as stored
-    assert torch.equal(unpack_q4_1l(x, k), packed.data)
-    assert torch.equal(dequantize_blocks("Q4_1L", x, (n, k)).double(), ref)
-    assert qlinear.kernel_order("Q4_1L", k) is None
+    assert torch.equal(UNPACK[lanes](x, k), packed.data)
+    assert torch.equal(dequantize_blocks(lanes, x, (n, k)).double(), ref)
+    assert qlinear.kernel_order(lanes, k) is None
     for act in (torch.float32, torch.bfloat16):
         out = torch.empty(n, k, dtype=act)
-        qlinear.dequant("Q4_1L", x, n, k, out)
+        qlinear.dequant(lanes, x, n, k, out)
         assert torch.equal(out, ref.to(act)), act
         ids = torch.tensor([[n - 1, 0], [2, 2]])
-        assert torch.equal(PackedEmbedding(PackedTensor("Q4_1L", x, (n, k)), act)(ids), ref.to(act)[ids])
+        assert torch.equal(PackedEmbedding(PackedTensor(lanes, x, (n, k)), act)(ids), ref.to(act)[ids])
 
 
+@pytest.mark.parametrize(("lanes", "stored"), LANES)
 @pytest.mark.parametrize(("n", "k"), L_SHAPES)
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_q4_1l_kernel_matches_float64_reference(n, k, act, rows4):
-    """float32 and bf16 activations at 1..64 rows (1..8 per pass, then again), float32 and bf16
+def test_lane_kernel_matches_float64_reference(lanes, stored, n, k, act, rows4):
+    """float32 and bf16 activations at 1..64 rows (1..4 per pass, then again), float32 and bf16
     outputs, with a bias, both weight-row passes: within the float32 bound of a K-term sum (the
-    kernel sums d (q . x) + m sum(x) per block, see qlinear.c)."""
-    packed, ref = _gguf_packed("Q4_1", n, k, seed=k + 6)
-    xl = qlinear.repack("Q4_1L", packed.data, n, k)
+    kernel sums d (q . x) (+ m sum(x)) per block, see qlinear.c)."""
+    packed, ref = _gguf_packed(stored, n, k, seed=k + 6)
+    xl = qlinear.repack(lanes, packed.data, n, k)
     bias = torch.randn(n)
     for m in ROWS:
         x = _x(m, k, act, seed=m)
-        scratch = torch.empty(qlinear.scratch_floats("Q4_1L", m, k, act))
+        scratch = torch.empty(qlinear.scratch_floats(lanes, m, k, act))
         assert scratch.numel() == (2 if act == torch.bfloat16 else 1) * m * k + m * (k // 32)
         for out_dtype in (torch.float32, torch.bfloat16):
             y = torch.empty(m, n, dtype=out_dtype)
-            qlinear.linear("Q4_1L", xl, n, k, x, y, scratch, bias)
-            _check(y, x, ref, bias, f"Q4_1L ({n}x{k}) x {act} at {m} rows -> {out_dtype}, {rows4}")
+            qlinear.linear(lanes, xl, n, k, x, y, scratch, bias)
+            _check(y, x, ref, bias, f"{lanes} ({n}x{k}) x {act} at {m} rows -> {out_dtype}, {rows4}")
 
 
-def test_q4_1l_without_scratch_is_refused():
+@pytest.mark.parametrize(("lanes", "stored"), LANES)
+def test_lane_layout_without_scratch_is_refused(lanes, stored):
     """The lane order of the activations lives in the caller's scratch: none is an error that says
     so, not a write through a null pointer."""
-    packed, _ = _gguf_packed("Q4_1", 8, 256, seed=12)
-    xl = qlinear.repack("Q4_1L", packed.data, 8, 256)
+    packed, _ = _gguf_packed(stored, 8, 256, seed=12)
+    xl = qlinear.repack(lanes, packed.data, 8, 256)
     with pytest.raises(RuntimeError, match="unsupported"):
-        qlinear.linear("Q4_1L", xl, 8, 256, _x(1, 256, torch.float32), torch.empty(1, 8), None)
+        qlinear.linear(lanes, xl, 8, 256, _x(1, 256, torch.float32), torch.empty(1, 8), None)
 
 
+@pytest.mark.parametrize(("lanes", "stored"), LANES)
 @pytest.mark.parametrize("batched", ["resident", "tile"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_layer_re_lays_q4_1_in_the_avx2_build(batched, act, monkeypatch):
-    """In the AVX2 build a layer keeps its Q4_1 blocks as Q4_1L (the same bytes) whether its GEMM
-    reads a resident copy or widens a tile per call, and PHASELAB_Q4_REPACK=0 keeps Q4_1; every
-    way, the layer computes the reference at every row count, the tile in one piece and in chunks."""
+def test_layer_re_lays_blocks_in_the_avx2_build(lanes, stored, batched, act, monkeypatch):
+    """In the AVX2 build a layer keeps its Q4_1 / Q8_0 blocks re-laid (the same bytes) whether its
+    GEMM reads a resident copy or widens a tile per call, and PHASELAB_Q4_REPACK=0 keeps the file's;
+    every way, the layer computes the reference at every row count, the tile in one piece and in
+    chunks."""
     from phaselab.model import linear
 
     feats = qlinear.features()
     if not feats["avx2"] or (act == torch.bfloat16 and feats["avx512_bf16_dot"]):
-        pytest.skip("Q4_1L is the AVX2 build's layout; this build is "
+        pytest.skip("the lane layouts are the AVX2 build's; this build is "
                     f"{'AVX-512' if feats['avx512'] else 'portable'} (tests/test_kernel_isa.py builds AVX2 here)")
     n, k = 45, 576
-    packed, ref = _gguf_packed("Q4_1", n, k, seed=13)
+    packed, ref = _gguf_packed(stored, n, k, seed=13)
     bias = torch.randn(n)
-    for env, want in (("1", "Q4_1L"), ("0", "Q4_1")):
+    for env, want in (("1", lanes), ("0", stored)):
         monkeypatch.setenv(qlinear.REPACK_ENV, env)
         layer = PackedLinear(packed, bias, act, max_native_rows=8, workspace=Workspace(act), batched=batched)
         assert layer.packed.fmt == want and layer.packed.nbytes == packed.nbytes

@@ -89,13 +89,17 @@ def test_resident_batched_gemm_matches_dequantized_fp32(tmp_path, monkeypatch, d
     packed = [m for m in eng.executor.model.modules() if isinstance(m, PackedLinear)]
     assert all(m.direct is not None for m in packed)
     # beside a dense copy, layers keep Q4_1 (the fused gate/up here) re-laid for the kernel: Q4_1X
-    # for vdpbf16ps with bf16 activations, Q4_1L in the AVX2 build, else as stored (independent of
-    # qlinear.native_format: from the build's features)
+    # for vdpbf16ps with bf16 activations, Q4_1L in the AVX2 build, else as stored; and Q8_0 as
+    # Q8_0L in the AVX2 build (independent of qlinear.native_format: from the build's features)
     feats = qlinear.features()
     layout = ("Q4_1X" if dtype == "bfloat16" and feats["avx512_bf16_dot"] else "Q4_1L" if feats["avx2"] else "Q4_1")
+    layout8 = "Q8_0L" if feats["avx2"] else "Q8_0"
     q41 = sum(m.packed.fmt in ("Q4_1", "Q4_1X", "Q4_1L") for m in packed)
+    q80 = sum(m.packed.fmt in ("Q8_0", "Q8_0L") for m in packed)
     assert q41 > 0 and sum(m.packed.fmt == layout for m in packed) == q41
-    assert summary["kernel_layouts"] == ({layout: q41} if layout != "Q4_1" else {})
+    assert sum(m.packed.fmt == layout8 for m in packed) == q80
+    want_layouts = {f: c for f, c in ((layout, q41), (layout8, q80)) if c and f not in ("Q4_1", "Q8_0")}
+    assert summary["kernel_layouts"] == want_layouts
     for native_rows in (0, 10**6):  # every row through the GEMM on the resident copy, then the kernel
         for m in packed:
             m.max_native_rows = native_rows

@@ -63,10 +63,10 @@ def cat_rows(parts: list[PackedTensor]) -> PackedTensor:
                         "+".join(dict.fromkeys(p.source_fmt for p in parts if p.source_fmt)))
 
 
-# Q4_1 re-laid at load for the small-row kernel (kernels/qlinear.c): for vdpbf16ps (Q4_1X,
-# dot_rows_q41x) and for AVX2's float32 FMAs (Q4_1L, dot_rows_q41l). Same bytes, never read from or
-# written to a file.
-REPACKED = {"Q4_1X": "Q4_1", "Q4_1L": "Q4_1"}
+# Blocks re-laid at load for the small-row kernel (kernels/qlinear.c): Q4_1 for vdpbf16ps (Q4_1X,
+# dot_rows_q41x), Q4_1 and Q8_0 for AVX2's float32 FMAs (Q4_1L, Q8_0L: dot_rows_lanes). Same bytes,
+# never read from or written to a file.
+REPACKED = {"Q4_1X": "Q4_1", "Q4_1L": "Q4_1", "Q8_0L": "Q8_0"}
 
 
 def row_bytes(fmt: str, k: int) -> int:
@@ -97,25 +97,33 @@ def unpack_q4_1x(data: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(n, nb * 20)
 
 
-def unpack_q4_1l(data: torch.Tensor, k: int) -> torch.Tensor:
-    """Q4_1L rows back to Q4_1 blocks (torch, independent of the C kernel's repack): groups of 8
-    blocks hold 128 bytes, byte 8c+b being byte c of block b's nibbles, then d and m of the 8
-    blocks (fp16 each); then the nb % 8 tail blocks as Q4_1."""
+def unpack_lanes(data: torch.Tensor, k: int, fmt: str) -> torch.Tensor:
+    """Q4_1L / Q8_0L rows back to Q4_1 / Q8_0 blocks (torch, independent of the C kernel's repack):
+    groups of 8 blocks hold their quant bytes interleaved, byte 8c+b being byte c of block b's
+    nibbles (Q4_1L: 128 bytes) or int8s (Q8_0L: 256 bytes), then d (and, Q4_1L, m) of the 8
+    blocks, fp16 each; then the nb % 8 tail blocks as stored."""
     n, nb = data.shape[0], k // 32
     ng, nt = nb // 8, nb % 8
-    out = torch.empty(n, nb, 20, dtype=torch.uint8)
+    bb = BLOCK_BYTES[REPACKED[fmt]]
+    nq, head = (16, 4) if fmt == "Q4_1L" else (32, 2)  # quant bytes per block; where they start in it
+    out = torch.empty(n, nb, bb, dtype=torch.uint8)
     if ng:
-        g = data[:, :160 * ng].reshape(n, ng, 160)
-        qs = g[:, :, :128].reshape(n, ng, 16, 8).permute(0, 1, 3, 2)  # (n, g, b, c)
-        out[:, :8 * ng, 4:] = qs.reshape(n, 8 * ng, 16)
-        out[:, :8 * ng, 0:2] = g[:, :, 128:144].reshape(n, 8 * ng, 2)
-        out[:, :8 * ng, 2:4] = g[:, :, 144:160].reshape(n, 8 * ng, 2)
+        g = data[:, :8 * bb * ng].reshape(n, ng, 8 * bb)
+        qs = g[:, :, :8 * nq].reshape(n, ng, nq, 8).permute(0, 1, 3, 2)  # (n, g, b, c)
+        out[:, :8 * ng, head:] = qs.reshape(n, 8 * ng, nq)
+        out[:, :8 * ng, 0:2] = g[:, :, 8 * nq:8 * nq + 16].reshape(n, 8 * ng, 2)
+        if fmt == "Q4_1L":
+            out[:, :8 * ng, 2:4] = g[:, :, 144:160].reshape(n, 8 * ng, 2)
     if nt:
-        out[:, 8 * ng:] = data[:, 160 * ng:160 * ng + 20 * nt].reshape(n, nt, 20)
-    return out.reshape(n, nb * 20)
+        out[:, 8 * ng:] = data[:, 8 * bb * ng:8 * bb * ng + bb * nt].reshape(n, nt, bb)
+    return out.reshape(n, nb * bb)
 
 
-UNPACK = {"Q4_1X": unpack_q4_1x, "Q4_1L": unpack_q4_1l}
+def unpack_q4_1l(data: torch.Tensor, k: int) -> torch.Tensor:
+    return unpack_lanes(data, k, "Q4_1L")
+
+
+UNPACK = {"Q4_1X": unpack_q4_1x, "Q4_1L": unpack_q4_1l, "Q8_0L": lambda data, k: unpack_lanes(data, k, "Q8_0L")}
 
 
 def dequantize_blocks(fmt: str, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

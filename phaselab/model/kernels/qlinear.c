@@ -12,7 +12,8 @@
  *   fmt 5  Q4_1X  Q4_1 re-laid at load for vdpbf16ps (bf16 activations, AVX512-BF16): 20 B / 32
  *                 (qlinear_repack; the layout and its arithmetic are described at dot_rows_q41x)
  *   fmt 6  Q4_1L  Q4_1 re-laid at load for 8-lane float32 FMAs (AVX2 builds): one vector lane per
- *                 block, 20 B / 32 (qlinear_repack; described at q41l_block_c and dot_rows_q41l)
+ *                 block, 20 B / 32 (qlinear_repack; described at lanes_block_c and dot_rows_lanes)
+ *   fmt 7  Q8_0L  Q8_0 re-laid the same way, 34 B / 32
  *
  * (GGML's layouts: in Q4 blocks, byte j holds element j in its low nibble, element j+16 in its
  * high one.) Activations x are (M, K) float32 or bfloat16; bf16 rows are widened once per call
@@ -57,8 +58,10 @@
 #define QL_DPBF16 0
 #endif
 
-enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_Q4_1X = 5, FMT_Q4_1L = 6 };
-#define FMT_LAST FMT_Q4_1L
+enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_Q4_1X = 5, FMT_Q4_1L = 6, FMT_Q8_0L = 7 };
+#define FMT_LAST FMT_Q8_0L
+#define IS_LANES(fmt) ((fmt) == FMT_Q4_1L || (fmt) == FMT_Q8_0L)
+#define LANES_BASE(fmt) ((fmt) == FMT_Q4_1L ? FMT_Q4_1 : FMT_Q8_0) /* the file's format of a lane layout */
 #define MR 8
 #ifndef ROWS4_MIN
 #define ROWS4_MIN 4 /* default: activation rows from which four weight rows are processed together */
@@ -68,7 +71,7 @@ enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_
  * EPYC the Q8_0 head at 4 rows took 3.1 ms four weight rows at a time and 1.1 ms one at a time. */
 static int g_rows4_min[FMT_LAST + 1] = {[0 ... FMT_LAST] = ROWS4_MIN};
 
-static const int BLOCK_BYTES[FMT_LAST + 1] = {0, 0, 34, 18, 20, 20, 20};
+static const int BLOCK_BYTES[FMT_LAST + 1] = {0, 0, 34, 18, 20, 20, 20, 34};
 
 static inline int64_t row_bytes(int fmt, int64_t K) {
     if (fmt == FMT_F32) return K * 4;
@@ -186,20 +189,27 @@ static inline void q41x_block_c(const uint8_t *w, int64_t nb, int64_t b, float *
     }
 }
 
-/* Q4_1L row of nb blocks: ng = nb / 8 groups of 8 blocks, then the nb % 8 tail blocks as Q4_1:
- *   [160 B per group: 128 B of nibbles, byte 8 c + b = byte c of block b's qs (element c of the
- *    block in its low nibble, element c + 16 in its high one); d: fp16 x 8; m: fp16 x 8]
- *   [tail blocks, 20 B each, as Q4_1]
- * So an 8-byte load widened to 32-bit lanes holds, in lane b, elements c and c + 16 of block b:
- * a float32 vector's lane per block, and d and m of the group's 8 blocks apply as vectors. */
-static inline void q41l_block_c(const uint8_t *w, int64_t nb, int64_t b, float *out) {
+/* Lane layouts: a row of nb blocks as ng = nb / 8 groups of 8 blocks, then the nb % 8 tail blocks
+ * in the file's format (LANES_BASE). A group holds the 8 blocks' bytes, interleaved:
+ *   Q4_1L (160 B): 128 B of nibbles, byte 8 c + b = byte c of block b's qs (element c of the block
+ *                  in its low nibble, element c + 16 in its high one); d: fp16 x 8; m: fp16 x 8
+ *   Q8_0L (272 B): 256 B of int8, byte 8 e + b = element e of block b; d: fp16 x 8
+ * So an 8-byte load widened to 32-bit lanes holds, in lane b, element(s) of block b: a float32
+ * vector's lane per block, and the group's d (and m) apply as vectors. */
+static inline void lanes_block_c(int fmt, const uint8_t *w, int64_t nb, int64_t b, float *out) {
+    const int base = LANES_BASE(fmt), gb = 8 * BLOCK_BYTES[base];
     const int64_t ng = nb / 8;
     if (b >= 8 * ng) {
-        deq_block_c(FMT_Q4_1, w + 160 * ng + 20 * (b - 8 * ng), out);
+        deq_block_c(base, w + gb * ng + BLOCK_BYTES[base] * (b - 8 * ng), out);
         return;
     }
-    const uint8_t *g = w + 160 * (b / 8);
+    const uint8_t *g = w + gb * (b / 8);
     const int l = (int)(b % 8);
+    if (fmt == FMT_Q8_0L) {
+        const float d = fp16_to_f32(g + 256 + 2 * l);
+        for (int e = 0; e < 32; e++) out[e] = d * (float)(int8_t)g[8 * e + l];
+        return;
+    }
     const float d = fp16_to_f32(g + 128 + 2 * l), m = fp16_to_f32(g + 144 + 2 * l);
     for (int c = 0; c < 16; c++) {
         out[c] = d * (float)(g[8 * c + l] & 0x0f) + m;
@@ -210,8 +220,8 @@ static inline void q41l_block_c(const uint8_t *w, int64_t nb, int64_t b, float *
 static void deq_row_c(int fmt, const uint8_t *w, int64_t K, float *out) {
     if (fmt == FMT_Q4_1X) {
         for (int64_t b = 0; b < K / 32; b++) q41x_block_c(w, K / 32, b, out + b * 32);
-    } else if (fmt == FMT_Q4_1L) {
-        for (int64_t b = 0; b < K / 32; b++) q41l_block_c(w, K / 32, b, out + b * 32);
+    } else if (IS_LANES(fmt)) {
+        for (int64_t b = 0; b < K / 32; b++) lanes_block_c(fmt, w, K / 32, b, out + b * 32);
     } else if (fmt == FMT_F32) {
         memcpy(out, w, (size_t)K * 4);
     } else if (fmt == FMT_BF16) {
@@ -535,13 +545,13 @@ static void panel_group(const float *p, int64_t ps, const float *x, int64_t K, i
 
 /* the four rows from wr (row stride rb bytes), elements [k0, k0 + n), widened into panel (stride
  * PANEL_K); n and k0 multiples of 32 */
-static void q41l_widen(const uint8_t *w, int64_t nb, int64_t k0, int64_t n, float *out, int lanes);
+static void lanes_widen(int fmt, const uint8_t *w, int64_t nb, int64_t k0, int64_t n, float *out, int lanes);
 static void panel_fill(int fmt, const uint8_t *wr, int64_t rb, int64_t k0, int64_t n, float *panel) {
     for (int r = 0; r < 4; r++) {
         const uint8_t *w = wr + r * rb;
         float *out = panel + r * PANEL_K;
-        if (fmt == FMT_Q4_1L) { /* k0: a multiple of PANEL_K, so of a group's 256 */
-            q41l_widen(w, rb / 20, k0, n, out, 1);
+        if (IS_LANES(fmt)) { /* k0: a multiple of PANEL_K, so of a group's 256 */
+            lanes_widen(fmt, w, rb / BLOCK_BYTES[fmt], k0, n, out, 1);
             continue;
         }
         for (int64_t b = 0; b < n / 32; b++) {
@@ -556,7 +566,7 @@ static void panel_fill(int fmt, const uint8_t *wr, int64_t rb, int64_t k0, int64
     }
 }
 
-/* -- Q4_1L: a vector lane per block (layout at q41l_block_c) ----------------------------------- */
+/* -- lane layouts (Q4_1L, Q8_0L): a vector lane per block (layout at lanes_block_c) ------------- */
 
 /* r[i] lane j <- r[j] lane i */
 static inline void transpose8(__m256 r[8]) {
@@ -577,70 +587,81 @@ static inline void transpose8(__m256 r[8]) {
     }
 }
 
-/* elements [k0, k0 + n) of a Q4_1L row of nb blocks widened to float32 (k0 a multiple of 256 or at
- * the tail, n a multiple of 32): per group, d q + m rounded once (one FMA, as deq_block8 does) with
- * a lane per block, stored in the lanes' order (lanes = 1: element e of block b at 8 e + b, as
- * q41l_prepare orders activations; the four-row pass's panel) or transposed back to the file's
+/* a group's elements c and c + 16 (c < 16) of its 8 blocks, as float32 vectors (lane b: block b) */
+static inline __attribute__((always_inline)) void lanes_pair(int fmt, const uint8_t *wg, int c, __m256 *e0, __m256 *e1) {
+    if (fmt == FMT_Q8_0L) {
+        *e0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * c))));
+        *e1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * (c + 16)))));
+        return;
+    }
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * c)));
+    *e0 = _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0f)));
+    *e1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+}
+
+/* elements [k0, k0 + n) of a lane-layout row of nb blocks widened to float32 (k0 a multiple of 256
+ * or at the tail, n a multiple of 32): per group, d q (+ m) rounded once (as deq_block8 does) with a
+ * lane per block, stored in the lanes' order (lanes = 1: element e of block b at 8 e + b, as
+ * lanes_prepare orders activations; the four-row pass's panel) or transposed back to the file's
  * order (lanes = 0: dequant_rows); the tail blocks in the file's order either way */
-static void q41l_widen(const uint8_t *w, int64_t nb, int64_t k0, int64_t n, float *out, int lanes) {
+static void lanes_widen(int fmt, const uint8_t *w, int64_t nb, int64_t k0, int64_t n, float *out, int lanes) {
+    const int base = LANES_BASE(fmt), bb = BLOCK_BYTES[base], gb = 8 * bb, q4 = fmt == FMT_Q4_1L;
     const int64_t ng = nb / 8;
-    const __m256i mask = _mm256_set1_epi32(0x0f);
     int64_t k = k0;
     for (; k < k0 + n && k / 256 < ng; k += 256) {
-        const uint8_t *wg = w + 160 * (k / 256);
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 128)));
-        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 144)));
+        const uint8_t *wg = w + gb * (k / 256);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + (q4 ? 128 : 256))));
+        const __m256 m = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 144))) : _mm256_setzero_ps();
         float *o = out + (k - k0);
-        for (int h = 0; h < 2; h++) {      /* elements 0-15 (low nibbles), 16-31 (high) */
-            for (int q8 = 0; q8 < 2; q8++) { /* 8 elements c = 8 q8 + i at a time */
-                __m256 r[8];
-                _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
-                    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * (8 * q8 + i))));
-                    const __m256i v = h ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, mask);
-                    r[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);
-                }
-                if (lanes) { /* r[i]: element 16 h + 8 q8 + i of the 8 blocks */
-                    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * (16 * h + 8 * q8 + i), r[i]);
+        for (int q8 = 0; q8 < 2; q8++) { /* elements c and c + 16 for c = 8 q8 + i */
+            __m256 r[2][8];
+            _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) {
+                lanes_pair(fmt, wg, 8 * q8 + i, &r[0][i], &r[1][i]);
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+                    r[h][i] = q4 ? _mm256_fmadd_ps(r[h][i], d, m) : _mm256_mul_ps(d, r[h][i]);
+            }
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {
+                if (lanes) { /* r[h][i]: element 16 h + 8 q8 + i of the 8 blocks */
+                    _Pragma("GCC unroll 8") for (int i = 0; i < 8; i++) _mm256_storeu_ps(o + 8 * (16 * h + 8 * q8 + i), r[h][i]);
                 } else {
-                    transpose8(r); /* r[b]: block b's elements 16 h + 8 q8 + 0..7 */
-                    _Pragma("GCC unroll 8") for (int b = 0; b < 8; b++) _mm256_storeu_ps(o + 32 * b + 16 * h + 8 * q8, r[b]);
+                    transpose8(r[h]); /* r[h][b]: block b's elements 16 h + 8 q8 + 0..7 */
+                    _Pragma("GCC unroll 8") for (int b = 0; b < 8; b++) _mm256_storeu_ps(o + 32 * b + 16 * h + 8 * q8, r[h][b]);
                 }
             }
         }
     }
     for (; k < k0 + n; k += 32) {
         __m256 v[4];
-        deq_block8(FMT_Q4_1, w + 160 * ng + 20 * (k / 32 - 8 * ng), v);
+        deq_block8(base, w + gb * ng + bb * (k / 32 - 8 * ng), v);
         store32_8(out, k - k0, 0, v);
     }
 }
 
-/* One Q4_1L row against mr activation rows. A weight is d q + m with q a nibble, so per block
- *     w . x = d (q . x) + m sum(x),
+/* One lane-layout row against mr activation rows. A weight is d q (+ m), so per block
+ *     w . x = d (q . x) (+ m sum(x)),
  * and with a lane per block, q . x of the group's 8 blocks accumulates in one vector: per 32
- * weights one 8-byte load widened to 32-bit lanes, two masks/shifts, two conversions and two FMAs
- * per activation row (the file's layout needs a d and m broadcast and a dequantizing FMA per block
- * on top). d and m then apply as vectors once per 256 weights, sum(x) per block coming from the
- * call's preparation (q41l_prepare), as do the activations in the lanes' order (xp: per group,
- * element e of block b at 8 e + b). Tail blocks (nb % 8) run as Q4_1 on x in the file's order. */
-static inline __attribute__((always_inline)) void dot_rows_q41l(const uint8_t *w, int64_t nb, const float *xp,
-                                                                const float *x, const float *sx, int64_t K, int mr,
-                                                                float *res) {
+ * weights two (Q4_1L: one) 8-byte loads widened to 32-bit lanes, two conversions and two FMAs per
+ * activation row (the file's layout needs a d (and m) broadcast and a dequantizing multiply per
+ * block on top). d (and m) then apply as vectors once per 256 weights, sum(x) per block coming
+ * from the call's preparation (lanes_prepare), as do the activations in the lanes' order (xp: per
+ * group, element e of block b at 8 e + b). Tail blocks (nb % 8) run in the file's format on x. */
+static inline __attribute__((always_inline)) void dot_rows_lanes(int fmt, const uint8_t *w, int64_t nb, const float *xp,
+                                                                 const float *x, const float *sx, int64_t K, int mr,
+                                                                 float *res) {
     enum { CH = 8 };
     const int ch = mr == 1 ? 8 : mr == 2 ? 4 : mr <= 4 ? 2 : 1; /* independent FMA chains per row */
+    const int base = LANES_BASE(fmt), bb = BLOCK_BYTES[base], gb = 8 * bb, q4 = fmt == FMT_Q4_1L;
     const int64_t ng = nb / 8, nt = nb % 8;
-    const __m256i mask = _mm256_set1_epi32(0x0f);
     __m256 acc[MR];
     _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *wg = w + 160 * g;
+        const uint8_t *wg = w + gb * g;
         __m256 t[MR][CH];
         _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
             _Pragma("GCC unroll 8") for (int c = 0; c < ch; c++) t[m][c] = _mm256_setzero_ps();
         _Pragma("GCC unroll 16") for (int c = 0; c < 16; c++) {
-            const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(wg + 8 * c)));
-            const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
-            const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+            __m256 lo, hi;
+            lanes_pair(fmt, wg, c, &lo, &hi);
             const int c0 = (2 * c) % ch, c1 = (2 * c + 1) % ch;
             _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
                 const float *xg = xp + m * K + 256 * g;
@@ -648,18 +669,18 @@ static inline __attribute__((always_inline)) void dot_rows_q41l(const uint8_t *w
                 t[m][c1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xg + 8 * (c + 16)), t[m][c1]);
             }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 128)));
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 144)));
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + (q4 ? 128 : 256))));
+        const __m256 mv = q4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wg + 144))) : _mm256_setzero_ps();
         _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
             __m256 tm = t[m][0];
             _Pragma("GCC unroll 8") for (int c = 1; c < ch; c++) tm = _mm256_add_ps(tm, t[m][c]);
             acc[m] = _mm256_fmadd_ps(d, tm, acc[m]);
-            acc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx + m * nb + 8 * g), acc[m]);
+            if (q4) acc[m] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(sx + m * nb + 8 * g), acc[m]);
         }
     }
     for (int64_t j = 0; j < nt; j++) {
         __m256 v[4];
-        deq_block8(FMT_Q4_1, w + 160 * ng + 20 * j, v);
+        deq_block8(base, w + gb * ng + bb * j, v);
         const float *xb = x + 32 * (8 * ng + j);
         _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
             _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++)
@@ -668,21 +689,27 @@ static inline __attribute__((always_inline)) void dot_rows_q41l(const uint8_t *w
     _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = hadd8(acc[m]);
 }
 
-#define MR_Q41L 4 /* rows per pass: see rows1_chunk */
-static void dot_group_q41l(const uint8_t *w, int64_t nb, const float *xp, const float *x, const float *sx,
-                           int64_t K, int mr, float *res) {
-    switch (mr) {
-    case 1: dot_rows_q41l(w, nb, xp, x, sx, K, 1, res); break;
-    case 2: dot_rows_q41l(w, nb, xp, x, sx, K, 2, res); break;
-    case 3: dot_rows_q41l(w, nb, xp, x, sx, K, 3, res); break;
-    default: dot_rows_q41l(w, nb, xp, x, sx, K, 4, res); break; /* rows1_chunk passes at most MR_Q41L */
+#define MR_LANES 4 /* rows per pass: see rows1_chunk */
+#define LANES_CASES(F)                                                  \
+    switch (mr) {                                                        \
+    case 1: dot_rows_lanes(F, w, nb, xp, x, sx, K, 1, res); break;       \
+    case 2: dot_rows_lanes(F, w, nb, xp, x, sx, K, 2, res); break;       \
+    case 3: dot_rows_lanes(F, w, nb, xp, x, sx, K, 3, res); break;       \
+    default: dot_rows_lanes(F, w, nb, xp, x, sx, K, 4, res); break;      \
+    }
+static void dot_group_lanes(int fmt, const uint8_t *w, int64_t nb, const float *xp, const float *x, const float *sx,
+                            int64_t K, int mr, float *res) {
+    if (fmt == FMT_Q8_0L) {
+        LANES_CASES(FMT_Q8_0L)
+    } else {
+        LANES_CASES(FMT_Q4_1L)
     }
 }
 
-/* the activations (float32, M x K) in Q4_1L's lane order (xp: per full group of 256 columns,
+/* the activations (float32, M x K) in the lane layouts' order (xp: per full group of 256 columns,
  * element e of block b at 8 e + b, by 8x8 transposes; the tail columns as they are) and their
- * per-block sums (sx: M x nb) */
-static void q41l_prepare(const float *x, int64_t M, int64_t K, float *xp, float *sx) {
+ * per-block sums (sx: M x nb; Q4_1L's m term) */
+static void lanes_prepare(const float *x, int64_t M, int64_t K, float *xp, float *sx) {
     const int64_t nb = K / 32, ng = nb / 8;
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * K;
@@ -706,14 +733,14 @@ static void q41l_prepare(const float *x, int64_t M, int64_t K, float *xp, float 
 #endif /* QL_AVX2 */
 
 /* portable: widen the row once per group of rows (on the stack when it fits), then plain dots (the
- * whole kernel without AVX-512 or AVX2; with them, Q4_1L outside the AVX2 build) */
+ * whole kernel without AVX-512 or AVX2; with them, the lane layouts outside the AVX2 build) */
 static void dot_rows_c(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
     float buf[4096];
     _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) res[m] = 0.f;
     for (int64_t k0 = 0; k0 < K; k0 += 4096) {
         const int64_t n = K - k0 < 4096 ? K - k0 : 4096; /* multiple of 32 except the dense tail */
-        if (fmt == FMT_Q4_1L) /* re-laid: block by block from the row's start */
-            for (int64_t b = 0; b < n / 32; b++) q41l_block_c(w, K / 32, k0 / 32 + b, buf + 32 * b);
+        if (IS_LANES(fmt)) /* re-laid: block by block from the row's start */
+            for (int64_t b = 0; b < n / 32; b++) lanes_block_c(fmt, w, K / 32, k0 / 32 + b, buf + 32 * b);
         else
             deq_row_c(fmt, w + row_bytes(fmt, k0), n, buf);
         _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) {
@@ -734,7 +761,8 @@ static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t
     case FMT_BF16: dot_rows(FMT_BF16, w, x, K, mr, res); break;
     case FMT_Q8_0: dot_rows(FMT_Q8_0, w, x, K, mr, res); break;
     case FMT_Q4_0: dot_rows(FMT_Q4_0, w, x, K, mr, res); break;
-    case FMT_Q4_1L: dot_rows_c(fmt, w, x, K, mr, res); break;
+    case FMT_Q4_1L:
+    case FMT_Q8_0L: dot_rows_c(fmt, w, x, K, mr, res); break;
     default: dot_rows(FMT_Q4_1, w, x, K, mr, res); break;
     }
 #elif QL_AVX2
@@ -743,7 +771,8 @@ static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t
     case FMT_BF16: dot_rows8(FMT_BF16, w, x, K, mr, res); break;
     case FMT_Q8_0: dot_rows8(FMT_Q8_0, w, x, K, mr, res); break;
     case FMT_Q4_0: dot_rows8(FMT_Q4_0, w, x, K, mr, res); break;
-    case FMT_Q4_1L: dot_rows_c(fmt, w, x, K, mr, res); break; /* not reached: rows1_chunk runs dot_rows_q41l */
+    case FMT_Q4_1L:
+    case FMT_Q8_0L: dot_rows_c(fmt, w, x, K, mr, res); break; /* not reached: rows1_chunk runs dot_rows_lanes */
     default: dot_rows8(FMT_Q4_1, w, x, K, mr, res); break;
     }
 #else
@@ -914,8 +943,8 @@ typedef struct {
     const void *x;
     void *y;
     const uint16_t *xp; /* Q4_1X: the activations permuted (q41x_prepare) */
-    const float *sx;    /* Q4_1X, Q4_1L: their per-block sums */
-    const float *xl;    /* Q4_1L: the activations in lane order (q41l_prepare) */
+    const float *sx;    /* Q4_1X, lane layouts: their per-block sums */
+    const float *xl;    /* lane layouts: the activations in lane order (lanes_prepare) */
 } ql_job;
 
 static inline void store_out(const ql_job *j, int64_t m, int64_t n, float v) {
@@ -969,7 +998,7 @@ static void rows4_chunk(void *ctx, int64_t c) {
                 } else {
                     panel_fill(j->fmt, wr, j->rb, k0, kn, panel);
                 }
-                const float *xs = j->fmt == FMT_Q4_1L ? j->xl : j->xf; /* Q4_1L's panel: in lane order */
+                const float *xs = IS_LANES(j->fmt) ? j->xl : j->xf; /* a lane layout's panel: in lane order */
                 for (int64_t mi = 0; mi < mm; mi += PANEL_MT) {
                     const int mt = (int)(mm - mi < PANEL_MT ? mm - mi : PANEL_MT);
                     panel_group(p, ps, xs + (m0 + mi) * j->K + k0, j->K, kn, mt, res + mi);
@@ -984,18 +1013,18 @@ static void rows4_chunk(void *ctx, int64_t c) {
 }
 #endif
 
-/* Q4_1L runs MR_Q41L rows per pass: its group sums take registers beside the accumulators, and
- * at 8 rows they spilled (AMD EPYC, AVX2, 2 threads: K = 1536 at 8 rows 244 ps per weight in one
- * pass, 194 in two of 4; K = 576 140 and 156, within this machine's noise) */
-#ifndef MR_Q41L
-#define MR_Q41L MR
+/* the lane layouts run MR_LANES rows per pass: their group sums take registers beside the
+ * accumulators, and at 8 rows they spilled (AMD EPYC, AVX2, 2 threads, Q4_1L: K = 1536 at 8 rows
+ * 244 ps per weight in one pass, 194 in two of 4; K = 576 140 and 156, within this machine's noise) */
+#ifndef MR_LANES
+#define MR_LANES MR
 #endif
 
 /* units are single weight rows from n0, each used for up to MR activation rows at a time */
 static void rows1_chunk(void *ctx, int64_t c) {
     const ql_job *j = (const ql_job *)ctx;
     const int64_t r0 = c * j->units / j->nchunks, r1 = (c + 1) * j->units / j->nchunks;
-    const int per = j->fmt == FMT_Q4_1L ? MR_Q41L : MR;
+    const int per = IS_LANES(j->fmt) ? MR_LANES : MR;
     for (int64_t n = j->n0 + r0; n < j->n0 + r1; n++) {
         const uint8_t *wr = j->w + n * j->rb;
         const float bn = j->bias ? j->bias[n] : 0.f;
@@ -1011,8 +1040,8 @@ static void rows1_chunk(void *ctx, int64_t c) {
             else
 #endif
 #if QL_AVX2
-            if (j->fmt == FMT_Q4_1L)
-                dot_group_q41l(wr, j->K / 32, j->xl + m0 * j->K, j->xf + m0 * j->K, j->sx + m0 * (j->K / 32), j->K,
+            if (IS_LANES(j->fmt))
+                dot_group_lanes(j->fmt, wr, j->K / 32, j->xl + m0 * j->K, j->xf + m0 * j->K, j->sx + m0 * (j->K / 32), j->K,
                                mr, res);
             else
 #endif
@@ -1024,8 +1053,8 @@ static void rows1_chunk(void *ctx, int64_t c) {
 
 /* y (M, N) = x (M, K) W^T + bias. x_bf16 / y_bf16: 1 when that side is bfloat16.
  * scratch: float32 room for qlinear_scratch_floats(fmt, M, K, x_bf16) values: M*K when x is bf16
- * and must be widened (or, for Q4_1X, permuted), plus M*K + M*K/32 for Q4_1L's lane-ordered
- * activations and block sums; NULL when that is 0.
+ * and must be widened (or, for Q4_1X, permuted), plus M*K + M*K/32 for a lane layout's
+ * lane-ordered activations and block sums; NULL when that is 0.
  * use_dp: 1 to run BF16 weights x bf16 activations through vdpbf16ps (ignored when absent).
  * Output rows are cut into chunks run by the pool (qlinear_set_pool) or OpenMP's team.
  * Returns 0, or 1 for an unsupported format/shape. */
@@ -1049,7 +1078,7 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
     }
     const int dp = QL_DPBF16 && use_dp && fmt == FMT_BF16 && x_bf16;
     const float *xf = (const float *)x;
-    if ((x_bf16 && !dp) || fmt == FMT_Q4_1L) {
+    if ((x_bf16 && !dp) || IS_LANES(fmt)) {
         if (!scratch) return 1;
     }
     if (x_bf16 && !dp) {
@@ -1060,17 +1089,17 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
     ql_job j = {.fmt = fmt, .y_bf16 = y_bf16, .dp = dp, .w = (const uint8_t *)w, .N = N, .K = K, .M = M,
                 .rb = row_bytes(fmt, K), .xf = xf, .bias = bias, .x = x, .y = y};
 #if QL_AVX2
-    if (fmt == FMT_Q4_1L) { /* lane-ordered activations and block sums, after the widened x when x is bf16 */
+    if (IS_LANES(fmt)) { /* lane-ordered activations and block sums, after the widened x when x is bf16 */
         float *xl = scratch + (x_bf16 ? M * K : 0);
-        q41l_prepare(xf, M, K, xl, xl + M * K);
+        lanes_prepare(xf, M, K, xl, xl + M * K);
         j.xl = xl;
         j.sx = xl + M * K;
     }
 #endif
 #if QL_AVX512 || QL_AVX2
     /* from rows4_min activation rows: four weight rows per pass (dot_rows4; AVX2: panel_dot), the
-     * last N % 4 rows below (Q4_1L's pass is AVX2's only) */
-    const int64_t n4 = (M >= g_rows4_min[fmt] && !dp && K % 32 == 0 && (fmt != FMT_Q4_1L || QL_AVX2)) ? N / 4 * 4 : 0;
+     * last N % 4 rows below (the lane layouts' pass is AVX2's only) */
+    const int64_t n4 = (M >= g_rows4_min[fmt] && !dp && K % 32 == 0 && (!IS_LANES(fmt) || QL_AVX2)) ? N / 4 * 4 : 0;
     if (n4 > 0) {
         j.n0 = 0;
         j.units = n4 / 4;
@@ -1170,7 +1199,7 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wr = (const uint8_t *)w + (idx ? idx[r] : r) * rb;
 #if QL_AVX512
-        if (fmt >= FMT_Q8_0 && fmt != FMT_Q4_1X && fmt != FMT_Q4_1L) { /* vectorized: one block -> 32 floats or 32 bf16 (nearest even) */
+        if (fmt >= FMT_Q8_0 && fmt != FMT_Q4_1X && !IS_LANES(fmt)) { /* vectorized: one block -> 32 floats or 32 bf16 (nearest even) */
             const int bb = BLOCK_BYTES[fmt];
             for (int64_t b = 0; b < K / 32; b++) {
                 __m512 lo, hi;
@@ -1180,11 +1209,11 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
             continue;
         }
 #elif QL_AVX2
-        if (fmt == FMT_Q4_1L) { /* a group (256 elements) at a time, then the tail blocks */
+        if (IS_LANES(fmt)) { /* a group (256 elements) at a time, then the tail blocks */
             float buf[256] __attribute__((aligned(32)));
             for (int64_t k0 = 0; k0 < K; k0 += 256) {
                 const int64_t n = K - k0 < 256 ? K - k0 : 256;
-                q41l_widen(wr, K / 32, k0, n, buf, 0);
+                lanes_widen(fmt, wr, K / 32, k0, n, buf, 0);
                 for (int64_t b = 0; b < n / 32; b++) {
                     __m256 v[4];
                     _Pragma("GCC unroll 4") for (int i = 0; i < 4; i++) v[i] = _mm256_load_ps(buf + 32 * b + 8 * i);
@@ -1214,8 +1243,8 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
                 const int64_t n = K - k0 < 32 ? K - k0 : 32;
                 if (fmt == FMT_Q4_1X)
                     q41x_block_c(wr, K / 32, k0 / 32, buf);
-                else if (fmt == FMT_Q4_1L)
-                    q41l_block_c(wr, K / 32, k0 / 32, buf);
+                else if (IS_LANES(fmt))
+                    lanes_block_c(fmt, wr, K / 32, k0 / 32, buf);
                 else
                     deq_row_c(fmt, wr + row_bytes(fmt, k0), n, buf);
                 for (int64_t j = 0; j < n; j++) o[k0 + j] = f32_to_bf16(buf[j]);
@@ -1225,30 +1254,32 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
     return 0;
 }
 
-/* Q4_1 rows (N, K/32 blocks) -> Q4_1L rows (q41l_block_c's layout), the same bytes per row */
-static void repack_q41l(const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
-    const int64_t nb = K / 32, ng = nb / 8, nt = nb % 8, rb = 20 * nb;
+/* Q4_1 / Q8_0 rows (N, K/32 blocks) -> Q4_1L / Q8_0L rows (lanes_block_c's layout), the same bytes */
+static void repack_lanes(int fmt, const uint8_t *src, int64_t N, int64_t K, uint8_t *dst) {
+    const int bb = BLOCK_BYTES[LANES_BASE(fmt)], q4 = fmt == FMT_Q4_1L, nq = q4 ? 16 : 32;
+    const int64_t nb = K / 32, ng = nb / 8, nt = nb % 8, rb = bb * nb;
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *s = src + n * rb;
         uint8_t *o = dst + n * rb;
         for (int64_t g = 0; g < ng; g++)
             for (int b = 0; b < 8; b++) {
-                const uint8_t *blk = s + 20 * (8 * g + b);
-                for (int c = 0; c < 16; c++) o[160 * g + 8 * c + b] = blk[4 + c];
-                memcpy(o + 160 * g + 128 + 2 * b, blk, 2);
-                memcpy(o + 160 * g + 144 + 2 * b, blk + 2, 2);
+                const uint8_t *blk = s + bb * (8 * g + b);
+                uint8_t *og = o + 8 * bb * g;
+                for (int c = 0; c < nq; c++) og[8 * c + b] = blk[(q4 ? 4 : 2) + c];
+                memcpy(og + 8 * nq + 2 * b, blk, 2); /* d */
+                if (q4) memcpy(og + 144 + 2 * b, blk + 2, 2); /* m */
             }
-        memcpy(o + 160 * ng, s + 160 * ng, (size_t)(20 * nt));
+        memcpy(o + 8 * bb * ng, s + 8 * bb * ng, (size_t)(bb * nt));
     }
 }
 
-/* Q4_1 rows (N, K/32 blocks) -> Q4_1X rows (dot_rows_q41x's layout) or Q4_1L rows (q41l_block_c's),
- * the same bytes per row. */
+/* Q4_1 rows (N, K/32 blocks) -> Q4_1X rows (dot_rows_q41x's layout); Q4_1 / Q8_0 rows -> Q4_1L /
+ * Q8_0L rows (lanes_block_c's): the same bytes per row. */
 int qlinear_repack(int fmt_to, const void *src, int64_t N, int64_t K, void *dst) {
-    if ((fmt_to != FMT_Q4_1X && fmt_to != FMT_Q4_1L) || K <= 0 || K % 32 != 0 || src == dst) return 1;
-    if (fmt_to == FMT_Q4_1L) {
-        repack_q41l((const uint8_t *)src, N, K, (uint8_t *)dst);
+    if ((fmt_to != FMT_Q4_1X && !IS_LANES(fmt_to)) || K <= 0 || K % 32 != 0 || src == dst) return 1;
+    if (IS_LANES(fmt_to)) {
+        repack_lanes(fmt_to, (const uint8_t *)src, N, K, (uint8_t *)dst);
         return 0;
     }
     const int64_t nb = K / 32, ng = nb / 16, nt = nb % 16, rb = 20 * nb;
@@ -1281,6 +1312,6 @@ void qlinear_set_rows4_min(int fmt, int rows) {
 }
 int qlinear_rows4_min(int fmt) { return fmt >= 0 && fmt <= FMT_LAST ? g_rows4_min[fmt] : -1; }
 int64_t qlinear_scratch_floats(int fmt, int64_t M, int64_t K, int x_bf16) {
-    return (x_bf16 ? M * K : 0) + (fmt == FMT_Q4_1L ? M * K + M * (K / 32) : 0);
+    return (x_bf16 ? M * K : 0) + (IS_LANES(fmt) ? M * K + M * (K / 32) : 0);
 }
-int qlinear_abi(void) { return 5; }
+int qlinear_abi(void) { return 6; }

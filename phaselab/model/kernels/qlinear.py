@@ -21,9 +21,10 @@ from phaselab.model import kernels
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.c")
-FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6}
-_ABI = 5
-REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode Q4_1 from the file's blocks, not re-laid as Q4_1X / Q4_1L
+FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6, "Q8_0L": 7}
+_ABI = 6
+REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode from the file's blocks, not re-laid as Q4_1X / Q4_1L / Q8_0L
+LANES = {"Q4_1": "Q4_1L", "Q8_0": "Q8_0L"}  # the AVX2 build's layouts: a float32 vector lane per block
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -99,20 +100,20 @@ def features() -> dict[str, bool]:
 def native_format(fmt: str, act_dtype: torch.dtype) -> str:
     """The layout the small-row kernel reads `fmt` fastest in, for activations of `act_dtype`:
     Q4_1 becomes Q4_1X (kernels/qlinear.c, dot_rows_q41x) for bf16 activations on a CPU with
-    AVX512-BF16, and Q4_1L (dot_rows_q41l: a vector lane per block) in the AVX2 build, unless
-    PHASELAB_Q4_REPACK=0; every other format stays as stored."""
-    if fmt != "Q4_1" or os.environ.get(REPACK_ENV, "1") == "0":
+    AVX512-BF16; in the AVX2 build Q4_1 and Q8_0 become Q4_1L and Q8_0L (dot_rows_lanes: a vector
+    lane per block); unless PHASELAB_Q4_REPACK=0. Every other format stays as stored."""
+    if fmt not in LANES or os.environ.get(REPACK_ENV, "1") == "0":
         return fmt
     feats = features()
-    if act_dtype == torch.bfloat16 and feats["avx512_bf16_dot"]:
+    if fmt == "Q4_1" and act_dtype == torch.bfloat16 and feats["avx512_bf16_dot"]:
         return "Q4_1X"
     if feats["avx2"]:
-        return "Q4_1L"
+        return LANES[fmt]
     return fmt
 
 
 def repack(fmt_to: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """Q4_1 rows re-laid as `fmt_to` (Q4_1X or Q4_1L), a new tensor of the same shape."""
+    """Q4_1 rows re-laid as `fmt_to` (Q4_1X or Q4_1L), or Q8_0 rows as Q8_0L: a new tensor of the same shape."""
     out = torch.empty_like(data)
     if _lib_or_raise().qlinear_repack(FORMAT_IDS[fmt_to], data.data_ptr(), n, k, out.data_ptr()) != 0:
         raise RuntimeError(f"qlinear_repack failed for a ({n}, {k}) weight to {fmt_to}")
@@ -121,7 +122,7 @@ def repack(fmt_to: str, data: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 def scratch_floats(fmt: str, m: int, k: int, x_dtype: torch.dtype) -> int:
     """float32 elements of scratch `linear` needs for m activation rows of `x_dtype` (0: none):
-    bf16 rows widened (or permuted, Q4_1X), and Q4_1L's lane-ordered rows and block sums."""
+    bf16 rows widened (or permuted, Q4_1X), and a lane layout's lane-ordered rows and block sums."""
     return int(_lib_or_raise().qlinear_scratch_floats(FORMAT_IDS[fmt], m, k, int(x_dtype == torch.bfloat16)))
 
 
