@@ -18,6 +18,7 @@ to run those weights exactly as dequantized instead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import numpy as np
@@ -119,11 +120,8 @@ def unpack_lanes(data: torch.Tensor, k: int, fmt: str) -> torch.Tensor:
     return out.reshape(n, nb * bb)
 
 
-def unpack_q4_1l(data: torch.Tensor, k: int) -> torch.Tensor:
-    return unpack_lanes(data, k, "Q4_1L")
-
-
-UNPACK = {"Q4_1X": unpack_q4_1x, "Q4_1L": unpack_q4_1l, "Q8_0L": lambda data, k: unpack_lanes(data, k, "Q8_0L")}
+UNPACK: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "Q4_1X": unpack_q4_1x, "Q4_1L": partial(unpack_lanes, fmt="Q4_1L"), "Q8_0L": partial(unpack_lanes, fmt="Q8_0L")}
 
 
 def dequantize_blocks(fmt: str, data: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
