@@ -65,7 +65,7 @@ def _q41(n: int, k: int, seed: int) -> torch.Tensor:
 
 def _linear(w: torch.Tensor, n: int, k: int, x: torch.Tensor, fmt: str = "Q4_1") -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    scratch = torch.empty(x.numel(), dtype=torch.float32)
+    scratch = torch.empty(max(1, qlinear.scratch_floats(fmt, x.shape[0], k, x.dtype)), dtype=torch.float32)
     return qlinear.linear(fmt, w, n, k, x, out, scratch)
 
 

@@ -52,8 +52,25 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
     assert bool((err <= bound).all()), f"{what}: max error {err.max():.3g}, worst excess {(err - bound).max():.3g}"
 
 
+def _scratch(fmt: str, m: int, k: int, act: torch.dtype) -> torch.Tensor:
+    return torch.empty(max(1, qlinear.scratch_floats(fmt, m, k, act)))
+
+
 def _x(m: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.fixture(autouse=True)
+def exact_paths():
+    """The tests below hold the kernel to the float32 bound of exact weights, which the AMX path
+    (bf16-rounded weights, tested on its own at the end) does not meet: off unless a test turns it
+    on (qlinear.set_amx_min is process-wide; restored after)."""
+    before = {f: qlinear.amx_min(f) for f in qlinear.FORMAT_IDS}
+    for f in before:
+        qlinear.set_amx_min(f, qlinear.AMX_OFF)
+    yield
+    for f, rows in before.items():
+        qlinear.set_amx_min(f, rows if rows > 0 else 0)
 
 
 @pytest.fixture(params=["four-rows-from-1", "one-row-always"])
@@ -81,7 +98,7 @@ def test_quantized_kernel_matches_float64_reference(fmt, act, rows4):
     for m in ROWS:
         x = _x(m, 96, act, seed=m)
         y = torch.empty(m, 37, dtype=act)
-        qlinear.linear(fmt, packed.data, 37, 96, x, y, torch.empty(m * 96), bias)
+        qlinear.linear(fmt, packed.data, 37, 96, x, y, _scratch(fmt, m, 96, act), bias)
         _check(y, x, ref, bias, f"{fmt} x {act} at {m} rows, {rows4}")
 
 
@@ -95,7 +112,7 @@ def test_kernel_over_long_rows_and_many_activation_rows(fmt, rows4):
     for m in (1, 3, 4, 7, 64, 70):
         x = _x(m, k, torch.float32, seed=m)
         y = torch.empty(m, n)
-        qlinear.linear(fmt, packed.data, n, k, x, y, torch.empty(m * k), None)
+        qlinear.linear(fmt, packed.data, n, k, x, y, _scratch(fmt, m, k, x.dtype), None)
         _check(y, x, ref, None, f"{fmt} ({n}x{k}) at {m} rows, {rows4}")
 
 
@@ -111,7 +128,7 @@ def test_dense_kernel_matches_float64_reference(fmt, act, use_dp, rows4):
         for m in ROWS:
             x = _x(m, k, act, seed=m)
             y = torch.empty(m, n, dtype=torch.float32)
-            qlinear.linear(fmt, packed.data, n, k, x, y, torch.empty(m * k), None, use_dp=use_dp)
+            qlinear.linear(fmt, packed.data, n, k, x, y, _scratch(fmt, m, k, act), None, use_dp=use_dp)
             _check(y, x, ref, None, f"{fmt} x {act} ({n}x{k}) at {m} rows, dp={use_dp}, {rows4}")
 
 
@@ -227,7 +244,7 @@ def test_q4_1x_kernel_matches_float64_reference(n, k):
         x = _x(m, k, torch.bfloat16, seed=m)
         for out_dtype in (torch.float32, torch.bfloat16):
             y = torch.empty(m, n, dtype=out_dtype)
-            qlinear.linear("Q4_1X", x4, n, k, x, y, torch.empty(m * k), bias)
+            qlinear.linear("Q4_1X", x4, n, k, x, y, _scratch("Q4_1X", m, k, x.dtype), bias)
             _check(y, x, ref, bias, f"Q4_1X ({n}x{k}) at {m} rows -> {out_dtype}")
 
 
@@ -337,11 +354,15 @@ def test_lane_kernel_matches_float64_reference(lanes, stored, n, k, act, rows4):
 @pytest.mark.parametrize(("lanes", "stored"), LANES)
 def test_lane_layout_without_scratch_is_refused(lanes, stored):
     """The lane order of the activations lives in the caller's scratch: none is an error that says
-    so, not a write through a null pointer."""
+    so, not a write through a null pointer (checked in Python, and by the kernel for its C callers)."""
     packed, _ = _gguf_packed(stored, 8, 256, seed=12)
     xl = qlinear.repack(lanes, packed.data, 8, 256)
-    with pytest.raises(RuntimeError, match="unsupported"):
+    with pytest.raises(ValueError, match="scratch"):
         qlinear.linear(lanes, xl, 8, 256, _x(1, 256, torch.float32), torch.empty(1, 8), None)
+    lib = qlinear._lib_or_raise()
+    x, y = _x(1, 256, torch.float32), torch.empty(1, 8)
+    assert lib.qlinear(qlinear.FORMAT_IDS[lanes], xl.data_ptr(), 8, 256, x.data_ptr(), 0, 1, None, None,
+                       y.data_ptr(), 0, 1) == 1
 
 
 @pytest.mark.parametrize(("lanes", "stored"), LANES)
@@ -372,3 +393,62 @@ def test_layer_re_lays_blocks_in_the_avx2_build(lanes, stored, batched, act, mon
                 w = ref if act == torch.float32 or m <= 8 else ref.to(torch.bfloat16).double()
                 b = bias if act == torch.float32 or m <= 8 else bias.to(torch.bfloat16)
                 _check(layer(x), x, w, b, f"{batched} {act} layer ({want}, tile {tile_elements}) at {m} rows")
+
+
+needs_amx = pytest.mark.skipif(not qlinear.features()["amx"],
+                               reason="this CPU (or the kernel build, or Linux) has no AMX tiles: the AMX path is not built or not granted")
+AMX_SHAPES = ((37, 96), (16, 544), (40, 1184), (21, 2080))  # short strips, Q4_1X tail blocks, several 512-column passes
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", QUANT + ("Q4_1X", "BF16"))
+@pytest.mark.parametrize(("n", "k"), AMX_SHAPES)
+def test_amx_path_matches_float64_reference_of_bf16_weights(fmt, n, k):
+    """From amx_min rows, bf16 activations run on AMX tiles against weights widened and rounded to
+    bf16 (as the GEMM path of larger row counts rounds them): the float64 product with torch's bf16
+    rounding of the reference weights, within the float32 bound of a K-term sum; 1..70 rows (past
+    the 64 rows of one widening: a second pass). That the AMX path ran shows in the result: it is
+    that bf16 reference, not the exact one the dot-product path meets."""
+    stored = "Q4_1" if fmt == "Q4_1X" else fmt
+    packed, ref = (_gguf_packed if stored in QUANT else _dense_packed)(stored, n, k, seed=k + n)
+    w = qlinear.repack("Q4_1X", packed.data, n, k) if fmt == "Q4_1X" else packed.data
+    ref_bf16 = ref.to(torch.bfloat16).double()
+    bias = torch.randn(n)
+    for m in ROWS + [65, 70]:
+        x = _x(m, k, torch.bfloat16, seed=m + 7)
+        scratch = _scratch(fmt, m, k, torch.bfloat16)
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = torch.empty(m, n, dtype=out_dtype)
+            qlinear.set_amx_min(fmt, 1)
+            qlinear.linear(fmt, w, n, k, x, y, scratch, bias)
+            _check(y, x, ref_bf16, bias, f"AMX {fmt} ({n}x{k}) at {m} rows -> {out_dtype}")
+            if stored in QUANT and out_dtype == torch.float32:  # not the exact weights' result
+                qlinear.set_amx_min(fmt, qlinear.AMX_OFF)
+                exact = torch.empty(m, n)
+                qlinear.linear(fmt, w, n, k, x, exact, scratch, bias)
+                assert not torch.equal(y, exact), f"AMX {fmt} at {m} rows: the dot-product path ran"
+
+
+@needs_amx
+def test_amx_runs_from_its_row_count():
+    """Below amx_min the dot-product path runs (exact weights), from it the AMX one."""
+    packed, ref = _gguf_packed("Q8_0", 48, 256, seed=3)
+    qlinear.set_amx_min("Q8_0", 4)
+    assert qlinear.amx_min("Q8_0") == 4
+    for m, path_ref in ((3, ref), (4, ref.to(torch.bfloat16).double())):
+        x = _x(m, 256, torch.bfloat16, seed=m)
+        y = torch.empty(m, 48)
+        qlinear.linear("Q8_0", packed.data, 48, 256, x, y, _scratch("Q8_0", m, 256, torch.bfloat16))
+        _check(y, x, path_ref, None, f"Q8_0 at {m} rows (amx_min 4)")
+
+
+def test_scratch_too_small_is_refused_before_the_kernel_runs():
+    """The kernel cannot see the scratch's size: linear() checks it against scratch_floats and says
+    what to pass instead of letting the kernel write past it."""
+    packed, _ = _gguf_packed("Q8_0", 32, 256, seed=5)
+    x = _x(8, 256, torch.bfloat16)
+    need = qlinear.scratch_floats("Q8_0", 8, 256, torch.bfloat16)
+    assert need > 0
+    with pytest.raises(ValueError, match="scratch_floats"):
+        qlinear.linear("Q8_0", packed.data, 32, 256, x, torch.empty(8, 32), torch.empty(need - 1))
+    qlinear.linear("Q8_0", packed.data, 32, 256, x, torch.empty(8, 32), torch.empty(need))

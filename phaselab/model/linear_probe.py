@@ -80,6 +80,8 @@ class LinearDecision:
     # per format, the activation rows from which the kernel reads four weight rows per pass
     # (qlinear.set_rows4_min; qlinear.ROWS4_OFF: never); {} leaves the kernel's built-in default
     rows4_min: dict[str, int] = field(default_factory=dict)
+    # bf16 activation rows from which the kernel runs on AMX tiles (qlinear.amx_min); 0: no AMX here
+    amx_min: int = 0
 
     def apply_rows4(self) -> None:
         """Set the kernel's four-row pass to this decision's, every format (the setting is
@@ -107,6 +109,8 @@ class LinearDecision:
         if self.rows4_min:
             layouts += ", four weight rows per pass " + ", ".join(
                 f"{f} {'never' if r >= qlinear.ROWS4_OFF else f'from {r} rows'}" for f, r in self.rows4_min.items())
+        if self.amx_min and self.path == "q":
+            layouts += f", AMX tiles from {self.amx_min} bf16 rows"
         return (f"{dtype}linear path {self.path} ({self.reason}; native <= {self.max_native_rows} rows{layouts}, "
                 f"then GEMM on a {self.batched} weight); "
                 f"CPU {self.cpu.get('model', '?')}, ISA {isa}")
@@ -208,6 +212,8 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
         decision.rows4_min = dict(probe.get("rows4_min") or {})
     if qlinear.available():  # on the torch path too: no earlier engine's setting lingers in the process
         decision.apply_rows4()
+        amx = qlinear.amx_min("Q8_0")  # one setting for every format (PHASELAB_AMX=0: AMX_OFF)
+        decision.amx_min = amx if qlinear.features()["amx"] and 0 < amx < qlinear.AMX_OFF else 0
     return decision
 
 
@@ -266,7 +272,8 @@ def _crossover(table: dict[str, dict[str, float]], gemm: str) -> int:
 def _cache_file(act_dtype: torch.dtype) -> Path:
     # the layout Q4_1 runs in (PHASELAB_Q4_REPACK) changes what the q path and its four-row pass measure
     key = json.dumps([_PROBE_VERSION, qlinear.build_id(), torch.__version__, torch.get_num_threads(),
-                      str(act_dtype), cpu_info()["model"], qlinear.native_format("Q4_1", act_dtype)])
+                      str(act_dtype), cpu_info()["model"], qlinear.native_format("Q4_1", act_dtype),
+                      os.environ.get(qlinear.AMX_ENV, "1") != "0" and qlinear.features()["amx"]])
     return kernels.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

@@ -88,8 +88,9 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
         }
     /* x, a: (M, hidden); big: qkv / gate_up outputs; mid: attention / silu outputs; scratch: float32 */
     const size_t sx = (size_t)(M * hidden) * el, sbig = (size_t)(M * widest) * el, smid = sbig;
-    /* qlinear's scratch (qlinear_scratch_floats): the widest need is Q4_1L with bf16 rows */
-    const size_t sscr = (size_t)(2 * M * deepest + M * (deepest / 32)) * sizeof(float);
+    /* qlinear's scratch (qlinear_scratch_floats): the widest need is Q4_1L with bf16 rows, or on
+     * AMX Q4_1X's reordered rows beside B tiles of up to 15 padding rows (M K / 2 + (M + 15) K / 2 + 16) */
+    const size_t sscr = (size_t)(2 * M * deepest + M * (deepest / 32) + 8 * deepest + 16) * sizeof(float);
     char *buf = buffer(2 * sx + sbig + smid + sscr + 64);
     if (!buf) return 2;
     void *x = buf, *a = buf + sx, *big = buf + 2 * sx, *mid = buf + 2 * sx + sbig;

@@ -57,6 +57,14 @@
 #else
 #define QL_DPBF16 0
 #endif
+/* Intel AMX (Sapphire Rapids and later): bf16 tile products for the batched rows (amx_chunk) */
+#if QL_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define QL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define QL_AMX 0
+#endif
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_Q4_1X = 5, FMT_Q4_1L = 6, FMT_Q8_0L = 7 };
 #define FMT_LAST FMT_Q8_0L
@@ -913,6 +921,120 @@ static void q41x_prepare(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp, 
 }
 #endif
 
+#if QL_AMX
+/* -- AMX: the batched rows as bf16 tile products --------------------------------------------------
+ *
+ * From g_amx_min[fmt] activation rows (bf16 only), 16 weight rows at a time are widened to bf16
+ * (d q + m in float32, one FMA, then rounded to nearest even: the weights the GEMM path of larger
+ * row counts multiplies, dequant_rows with out_bf16) into an L1 buffer, 512 columns at a time,
+ * and multiplied there by TDPBF16PS: tile A = 16 weight rows x 32 columns, tile B = the same 32
+ * columns of 16 activation rows in pairs (amx_prepare), tile C (float32, 16 x 16) += A B summed
+ * over all of K, up to four C tiles (64 activation rows) per widening. So the weights are read and
+ * widened once per call whatever the row count, and the products cost next to nothing: at 8-64
+ * rows the kernel costs about what one row costs, where the dot-product loops above grow with
+ * every row. Q4_1X is widened in its kernel order (dequant_kernel_order's), the activations taken
+ * in the same order (q41x_order_row): a permutation of K leaves x W^T as it is. BF16 weights are
+ * loaded into tile A straight from W. Linux hands AMX's tile state to a process only on request
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); refused, the path is off (qlinear_features bit 3). */
+#define AMX_KC 512 /* columns widened per pass: 16 rows x 512 bf16 = 16 KiB of L1 */
+#define AMX_MG 4   /* C tiles: activation rows per widening = 16 AMX_MG */
+#ifndef AMX_MIN
+#define AMX_MIN 4  /* default: activation rows from which the AMX path runs (qlinear_set_amx_min) */
+#endif
+static int g_amx_ok = -1; /* -1: not asked yet; 0: refused by the kernel; 1: granted */
+static int g_amx_min[FMT_LAST + 1] = {[0 ... FMT_LAST] = AMX_MIN};
+
+static int amx_permitted(void) {
+    if (g_amx_ok < 0) /* ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18; per process */
+        g_amx_ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return g_amx_ok;
+}
+
+static inline int amx_format(int fmt) {
+    return fmt == FMT_Q4_1X || fmt == FMT_Q4_1 || fmt == FMT_Q8_0 || fmt == FMT_Q4_0 || fmt == FMT_BF16;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* tiles 0-3: C (16 x 16 float32); 4: A (16 weight rows x 32 bf16); 5: B (16 column pairs x 16 rows) */
+static void amx_configure(void) {
+    amx_tilecfg c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* x (M, K) bf16 -> xv: per group of 16 rows (zeros past M), K/2 column pairs of 16 rows each: the
+ * B tiles, (k/2, row) -> the pair (x[row][k], x[row][k + 1]) */
+static void amx_prepare(const uint16_t *x, int64_t M, int64_t K, uint16_t *xv) {
+    const int64_t kp = K / 2, ngr = (M + 15) / 16;
+    const uint32_t *x32 = (const uint32_t *)x;
+    uint32_t *v = (uint32_t *)xv;
+    for (int64_t g = 0; g < ngr; g++)
+        for (int64_t r = 0; r < kp; r++)
+            for (int i = 0; i < 16; i++) {
+                const int64_t m = 16 * g + i;
+                v[(g * kp + r) * 16 + i] = m < M ? x32[m * kp + r] : 0;
+            }
+}
+
+/* columns [k0, k0 + kc) of weight row w (kc a multiple of 32; Q4_1X: one group of 512 or its tail
+ * blocks) widened to bf16 at out */
+static inline void amx_widen(int fmt, const uint8_t *w, int64_t K, int64_t k0, int64_t kc, uint16_t *out) {
+    if (fmt == FMT_BF16) {
+        memcpy(out, (const uint16_t *)w + k0, (size_t)kc * 2);
+        return;
+    }
+    if (fmt == FMT_Q4_1X) {
+        const int64_t nb = K / 32, ng = nb / 16, nt = nb % 16;
+        if (k0 < 512 * ng) { /* group k0 / 512, as dequant_kernel_order widens it */
+            const int64_t g = k0 / 512;
+            const uint16_t *dv = (const uint16_t *)(w + 256 * ng + 20 * nt), *mv = dv + 16 * ng;
+            const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+            const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + 16 * g)));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mv + 16 * g)));
+            const __m512 d0 = _mm512_permutexvar_ps(lanes_lo, d), d1 = _mm512_permutexvar_ps(lanes_hi, d);
+            const __m512 m0 = _mm512_permutexvar_ps(lanes_lo, m), m1 = _mm512_permutexvar_ps(lanes_hi, m);
+            const __m512i low = _mm512_set1_epi32(0x0f);
+            _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {
+                /* 32 bytes: lane 2b + e of the first 16 is block b (< 8), of the second 16 block b + 8 */
+                const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 256 * g + 32 * p)));
+                const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 256 * g + 32 * p + 16)));
+                /* pair t = 2p: the low nibbles; t = 2p + 1: the high ones */
+                const __m512 l0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)), d0, m0);
+                const __m512 l1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)), d1, m1);
+                const __m512 h0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), d0, m0);
+                const __m512 h1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), d1, m1);
+                _mm512_storeu_si512((void *)(out + 64 * p), (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
+                _mm512_storeu_si512((void *)(out + 64 * p + 32), (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
+            }
+            return;
+        }
+        for (int64_t b = (k0 - 512 * ng) / 32; b < (k0 + kc - 512 * ng) / 32; b++, out += 32) { /* tail blocks, as Q4_1 */
+            __m512 lo, hi;
+            deq_block(FMT_Q4_1, w + 256 * ng + 20 * b, &lo, &hi);
+            _mm512_storeu_si512((void *)out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        return;
+    }
+    const int bb = BLOCK_BYTES[fmt];
+    for (int64_t b = k0 / 32; b < (k0 + kc) / 32; b++, out += 32) {
+        __m512 lo, hi;
+        deq_block(fmt, w + b * bb, &lo, &hi);
+        _mm512_storeu_si512((void *)out, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+#endif /* QL_AMX */
+
 /* -- running the rows in parallel ------------------------------------------------------------ */
 
 /* set by qlinear_set_pool (pool.c's phaselab_pool_run); NULL: OpenMP's team */
@@ -945,6 +1067,7 @@ typedef struct {
     const uint16_t *xp; /* Q4_1X: the activations permuted (q41x_prepare) */
     const float *sx;    /* Q4_1X, lane layouts: their per-block sums */
     const float *xl;    /* lane layouts: the activations in lane order (lanes_prepare) */
+    const uint16_t *xv; /* AMX: the activations as B tiles (amx_prepare) */
 } ql_job;
 
 static inline void store_out(const ql_job *j, int64_t m, int64_t n, float v) {
@@ -1051,6 +1174,84 @@ static void rows1_chunk(void *ctx, int64_t c) {
     }
 }
 
+#if QL_AMX
+/* the C tiles of activation groups [0, G) += A (tile 4) times their B tiles (tile 5, loaded in turn) */
+static inline __attribute__((always_inline)) void amx_products(const uint16_t *xv, int64_t gstride, int G) {
+    _tile_loadd(5, xv, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (G > 1) { _tile_loadd(5, xv + gstride, 64); _tile_dpbf16ps(1, 4, 5); }
+    if (G > 2) { _tile_loadd(5, xv + 2 * gstride, 64); _tile_dpbf16ps(2, 4, 5); }
+    if (G > 3) { _tile_loadd(5, xv + 3 * gstride, 64); _tile_dpbf16ps(3, 4, 5); }
+}
+
+/* units are strips of 16 weight rows from n0 (the last one may be short) */
+static void amx_chunk(void *ctx, int64_t c) {
+    const ql_job *j = (const ql_job *)ctx;
+    const int64_t s0 = c * j->units / j->nchunks, s1 = (c + 1) * j->units / j->nchunks;
+    if (s0 >= s1) return;
+    const int64_t K = j->K, kp = K / 2;
+    uint16_t abuf[16 * AMX_KC] __attribute__((aligned(64)));
+    float cbuf[16 * 16] __attribute__((aligned(64)));
+    const __m512i cidx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    amx_configure();
+    for (int64_t s = s0; s < s1; s++) {
+        const int64_t n = j->n0 + 16 * s, rows = j->N - n < 16 ? j->N - n : 16;
+        const uint8_t *wr = j->w + n * j->rb;
+        const int direct = j->fmt == FMT_BF16 && rows == 16; /* tile A straight from W */
+        if (rows < 16) memset(abuf, 0, sizeof abuf);      /* the missing rows multiply as zeros */
+        const __mmask16 rmask = (__mmask16)(rows == 16 ? 0xffff : (1u << rows) - 1);
+        const __m512 bv = j->bias ? _mm512_maskz_loadu_ps(rmask, j->bias + n) : _mm512_setzero_ps();
+        for (int64_t m0 = 0; m0 < j->M; m0 += 16 * AMX_MG) {
+            const int G = (int)((j->M - m0 + 15) / 16 < AMX_MG ? (j->M - m0 + 15) / 16 : AMX_MG);
+            const uint16_t *xg = j->xv + (m0 / 16) * kp * 32;
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t k0 = 0; k0 < K;) {
+                /* Q4_1X: a group, then all its tail blocks; other formats: AMX_KC columns */
+                int64_t kc = K - k0 < AMX_KC ? K - k0 : AMX_KC;
+                if (j->fmt == FMT_Q4_1X && k0 + kc > K / 512 * 512 && k0 < K / 512 * 512) kc = K / 512 * 512 - k0;
+                const uint16_t *a = abuf;
+                int64_t astride = kc * 2;
+                if (direct) {
+                    a = (const uint16_t *)wr + k0;
+                    astride = j->rb;
+                } else {
+                    for (int64_t r = 0; r < rows; r++) amx_widen(j->fmt, wr + r * j->rb, K, k0, kc, abuf + r * kc);
+                }
+                for (int64_t kk = 0; kk < kc; kk += 32) {
+                    _tile_loadd(4, a + kk, astride);
+                    const uint16_t *xk = xg + (k0 + kk) / 2 * 32;
+                    switch (G) {
+                    case 1: amx_products(xk, kp * 32, 1); break;
+                    case 2: amx_products(xk, kp * 32, 2); break;
+                    case 3: amx_products(xk, kp * 32, 3); break;
+                    default: amx_products(xk, kp * 32, 4); break;
+                    }
+                }
+                k0 += kc;
+            }
+            for (int g = 0; g < G; g++) {
+                switch (g) {
+                case 0: _tile_stored(0, cbuf, 64); break;
+                case 1: _tile_stored(1, cbuf, 64); break;
+                case 2: _tile_stored(2, cbuf, 64); break;
+                default: _tile_stored(3, cbuf, 64); break;
+                }
+                const int64_t mg = m0 + 16 * g, mn = j->M - mg < 16 ? j->M - mg : 16;
+                for (int64_t i = 0; i < mn; i++) { /* C is (weight row, activation row): column i is y's row */
+                    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(cidx, cbuf + i, 4), bv);
+                    if (j->y_bf16)
+                        _mm256_mask_storeu_epi16((uint16_t *)j->y + (mg + i) * j->N + n, rmask, (__m256i)_mm512_cvtneps_pbh(v));
+                    else
+                        _mm512_mask_storeu_ps((float *)j->y + (mg + i) * j->N + n, rmask, v);
+                }
+            }
+        }
+    }
+    _tile_release();
+}
+#endif
+
 /* y (M, N) = x (M, K) W^T + bias. x_bf16 / y_bf16: 1 when that side is bfloat16.
  * scratch: float32 room for qlinear_scratch_floats(fmt, M, K, x_bf16) values: M*K when x is bf16
  * and must be widened (or, for Q4_1X, permuted), plus M*K + M*K/32 for a lane layout's
@@ -1062,6 +1263,25 @@ int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_b
             const float *bias, void *y, int y_bf16, int use_dp) {
     if (fmt < 0 || fmt > FMT_LAST || N <= 0 || K <= 0 || M <= 0) return 1;
     if (fmt >= FMT_Q8_0 && K % 32 != 0) return 1;
+#if QL_AMX
+    if (x_bf16 && M >= g_amx_min[fmt] && amx_format(fmt) && K % 32 == 0 && scratch && amx_permitted()) {
+        const uint16_t *xa = (const uint16_t *)x;
+        float *rest = scratch;
+        if (fmt == FMT_Q4_1X) { /* the activations in the kernel's column order first */
+            uint16_t *xp = (uint16_t *)scratch;
+            for (int64_t m = 0; m < M; m++) q41x_order_row(xa + m * K, K, xp + m * K);
+            xa = xp;
+            rest = scratch + (M * K + 1) / 2;
+        }
+        uint16_t *xv = (uint16_t *)(((uintptr_t)rest + 63) & ~(uintptr_t)63);
+        amx_prepare(xa, M, K, xv);
+        ql_job j = {.fmt = fmt, .y_bf16 = y_bf16, .w = (const uint8_t *)w, .N = N, .K = K, .M = M,
+                    .rb = row_bytes(fmt, K), .bias = bias, .x = x, .y = y, .xv = xv, .n0 = 0, .units = (N + 15) / 16};
+        j.nchunks = num_chunks(j.units);
+        run_chunks(amx_chunk, &j, j.nchunks);
+        return 0;
+    }
+#endif
     if (fmt == FMT_Q4_1X) { /* bf16 activations through vdpbf16ps only (the format exists for it) */
         if (!QL_DPBF16 || !x_bf16 || !scratch) return 1;
 #if QL_DPBF16
@@ -1306,12 +1526,42 @@ int qlinear_repack(int fmt_to, const void *src, int64_t N, int64_t K, void *dst)
     return 0;
 }
 
-int qlinear_features(void) { return QL_AVX512 | (QL_DPBF16 << 1) | (QL_AVX2 << 2); }
+int qlinear_features(void) {
+#if QL_AMX
+    const int amx = amx_permitted();
+#else
+    const int amx = 0;
+#endif
+    return QL_AVX512 | (QL_DPBF16 << 1) | (QL_AVX2 << 2) | (amx << 3);
+}
+/* rows < 1: the default; a large value turns the AMX path off for fmt */
+void qlinear_set_amx_min(int fmt, int rows) {
+#if QL_AMX
+    if (fmt >= 0 && fmt <= FMT_LAST) g_amx_min[fmt] = rows < 1 ? AMX_MIN : rows;
+#else
+    (void)fmt, (void)rows;
+#endif
+}
+int qlinear_amx_min(int fmt) {
+#if QL_AMX
+    return fmt >= 0 && fmt <= FMT_LAST ? g_amx_min[fmt] : -1;
+#else
+    (void)fmt;
+    return -1;
+#endif
+}
 void qlinear_set_rows4_min(int fmt, int rows) {
     if (fmt >= 0 && fmt <= FMT_LAST) g_rows4_min[fmt] = rows < 1 ? ROWS4_MIN : rows; /* < 1: the default */
 }
 int qlinear_rows4_min(int fmt) { return fmt >= 0 && fmt <= FMT_LAST ? g_rows4_min[fmt] : -1; }
 int64_t qlinear_scratch_floats(int fmt, int64_t M, int64_t K, int x_bf16) {
-    return (x_bf16 ? M * K : 0) + (IS_LANES(fmt) ? M * K + M * (K / 32) : 0);
+    const int64_t need = (x_bf16 ? M * K : 0) + (IS_LANES(fmt) ? M * K + M * (K / 32) : 0);
+#if QL_AMX
+    if (x_bf16 && amx_format(fmt) && K % 32 == 0) { /* Q4_1X's reordered rows, then the B tiles (64-aligned) */
+        const int64_t amx = (fmt == FMT_Q4_1X ? (M * K + 1) / 2 : 0) + 16 + (M + 15) / 16 * 16 * K / 2;
+        return need > amx ? need : amx;
+    }
+#endif
+    return need;
 }
-int qlinear_abi(void) { return 6; }
+int qlinear_abi(void) { return 7; }

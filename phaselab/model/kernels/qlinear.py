@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("qlinear.c")
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6, "Q8_0L": 7}
-_ABI = 6
+_ABI = 7
+AMX_ENV = "PHASELAB_AMX"  # 0: no AMX tile products for batched rows even where the CPU has them
+AMX_OFF = 1 << 30  # an amx_min no call reaches
 REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode from the file's blocks, not re-laid as Q4_1X / Q4_1L / Q8_0L
 LANES = {"Q4_1": "Q4_1L", "Q8_0": "Q8_0L"}  # the AVX2 build's layouts: a float32 vector lane per block
 
@@ -61,6 +63,12 @@ def _load() -> ctypes.CDLL | None:
         lib.qlinear_set_rows4_min.argtypes = [ci, ci]
         lib.qlinear_rows4_min.restype = ci
         lib.qlinear_rows4_min.argtypes = [ci]
+        lib.qlinear_set_amx_min.argtypes = [ci, ci]
+        lib.qlinear_amx_min.restype = ci
+        lib.qlinear_amx_min.argtypes = [ci]
+        if os.environ.get(AMX_ENV, "1") == "0":
+            for fid in FORMAT_IDS.values():
+                lib.qlinear_set_amx_min(fid, AMX_OFF)
         lib.qlinear_scratch_floats.restype = i64
         lib.qlinear_scratch_floats.argtypes = [ci, i64, i64, ci]
         lib.qlinear_set_pool.argtypes = [vp]
@@ -91,10 +99,11 @@ def build_id() -> str:
 
 def features() -> dict[str, bool]:
     """What the compiled kernel uses on this CPU: AVX-512 intrinsics, vdpbf16ps, or (without
-    AVX-512) AVX2 + FMA + F16C intrinsics; none of them: the portable C loops."""
+    AVX-512) AVX2 + FMA + F16C intrinsics; none of them: the portable C loops. amx: AMX tile
+    products for batched bf16 rows (the CPU has them, the build uses them, Linux granted them)."""
     lib = _load()
     f = lib.qlinear_features() if lib is not None else 0
-    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2), "avx2": bool(f & 4)}
+    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2), "avx2": bool(f & 4), "amx": bool(f & 8)}
 
 
 def native_format(fmt: str, act_dtype: torch.dtype) -> str:
@@ -146,17 +155,34 @@ def rows4_min(fmt: str) -> int:
     return int(_lib_or_raise().qlinear_rows4_min(FORMAT_IDS[fmt]))
 
 
+def set_amx_min(fmt: str, rows: int) -> None:
+    """From how many bf16 activation rows the kernel multiplies `fmt` weights with AMX tiles (where
+    features()["amx"]; AMX_OFF: never; 0: the kernel's built-in default). PHASELAB_AMX=0 sets AMX_OFF
+    for every format at load."""
+    _lib_or_raise().qlinear_set_amx_min(FORMAT_IDS[fmt], int(min(rows, AMX_OFF)))
+
+
+def amx_min(fmt: str) -> int:
+    """The row count from which `fmt` runs on AMX; -1 when the build has no AMX path."""
+    return int(_lib_or_raise().qlinear_amx_min(FORMAT_IDS[fmt]))
+
+
 def linear(fmt: str, w: torch.Tensor, n: int, k: int, x: torch.Tensor, out: torch.Tensor,
            scratch: torch.Tensor | None, bias: torch.Tensor | None = None, use_dp: bool = True) -> torch.Tensor:
     """out (M, N) = x (M, K) W^T + bias, W in `fmt` as stored in `w` (contiguous).
 
     x and out: contiguous float32 or bfloat16. scratch: float32 with >= scratch_floats(...) elements
-    (None when that is 0). bias: float32 (N,) or None. No checks beyond the cheap ones:
+    (None when that is 0; fewer is a ValueError, as the kernel would write past them). bias: float32 (N,) or None. No checks beyond the cheap ones:
     the layer modules in `phaselab/model/linear.py` own the shapes.
     """
     m = x.shape[0]
     x_bf16 = x.dtype == torch.bfloat16
-    rc = _lib_or_raise().qlinear(
+    lib = _lib_or_raise()
+    need = lib.qlinear_scratch_floats(FORMAT_IDS[fmt], m, k, int(x_bf16))
+    if need and (scratch is None or scratch.numel() < need):  # the kernel would write past it
+        raise ValueError(f"qlinear: {fmt} ({n}, {k}) at {m} {x.dtype} rows needs scratch of {need} float32 "
+                         f"elements, got {0 if scratch is None else scratch.numel()}: size it with scratch_floats()")
+    rc = lib.qlinear(
         FORMAT_IDS[fmt], w.data_ptr(), n, k, x.data_ptr(), int(x_bf16), m,
         scratch.data_ptr() if scratch is not None else None,
         bias.data_ptr() if bias is not None else None, out.data_ptr(), int(out.dtype == torch.bfloat16), int(use_dp),
