@@ -20,9 +20,12 @@ from phaselab.model.attention import AttentionMetadata, PrefillSeq, paged_attent
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernel unavailable: {kernels.unavailable_reason()}")
 
 FEATS = kernels.prefill_features() if kernels.available() else {}
-MODES = [  # what `auto` runs is one of these (0 where AVX-512 is compiled)
-    pytest.param(0, id="dpbf16", marks=pytest.mark.skipif(not FEATS.get("avx512_bf16_dot"),
-                                                           reason="this CPU lacks AVX512-BF16")),
+MODES = [  # `auto` (0) runs one of the others: AMX, else AVX512-BF16, else AVX-512
+    pytest.param(0, id="auto", marks=pytest.mark.skipif(not FEATS.get("avx512"), reason="this CPU lacks AVX-512")),
+    pytest.param(4, id="amx", marks=pytest.mark.skipif(not FEATS.get("amx"),
+                                                       reason="this CPU (or build, or Linux) has no AMX tiles")),
+    pytest.param(3, id="dpbf16", marks=pytest.mark.skipif(not FEATS.get("avx512_bf16_dot"),
+                                                          reason="this CPU lacks AVX512-BF16")),
     pytest.param(1, id="avx512", marks=pytest.mark.skipif(not FEATS.get("avx512"), reason="this CPU lacks AVX-512")),
     pytest.param(2, id="c"),
 ]
@@ -152,14 +155,15 @@ def test_environment_picks_the_path(monkeypatch, value, expect) -> None:
 
 def test_environment_refuses_unknown_and_missing_paths(monkeypatch) -> None:
     monkeypatch.setenv(kernels.PREFILL_ENV, "fast")
-    with pytest.raises(ValueError, match="use one of auto, dpbf16, avx512, c, torch"):
+    with pytest.raises(ValueError, match="use one of auto, amx, dpbf16, avx512, c, torch"):
         kernels.prefill_mode()
     monkeypatch.setenv(kernels.PREFILL_ENV, "auto")  # a head size the kernel does not take: torch's path
     assert kernels.prefill_mode(head_dim=16) is None
     monkeypatch.setenv(kernels.PREFILL_ENV, "c")  # unless forced: then it says so
     with pytest.raises(ValueError, match="not 16"):
         kernels.prefill_mode(head_dim=16)
-    missing = [name for name, key in (("dpbf16", "avx512_bf16_dot"), ("avx512", "avx512")) if not FEATS[key]]
+    missing = [name for name, key in (("amx", "amx"), ("dpbf16", "avx512_bf16_dot"), ("avx512", "avx512"))
+               if not FEATS[key]]
     for name in missing:  # only on a CPU without the instructions: forcing them is an error, not a fallback
         monkeypatch.setenv(kernels.PREFILL_ENV, name)
         with pytest.raises(ValueError, match="lacks it"):

@@ -48,7 +48,7 @@ DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
 SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the three: part of the build key
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
-PREFILL_MODES = {"auto": 0, "dpbf16": 0, "avx512": 1, "c": 2, "torch": None}
+PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}
 POOL_SOURCE = Path(__file__).with_name("pool.c")
 POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
 SPIN_ENV = "PHASELAB_POOL_SPIN_US"
@@ -64,7 +64,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
 # run the lower paths of every kernel on any CPU that has them
 ISA_ENV = "PHASELAB_KERNEL_ISA"
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
-_ABI = 8
+_ABI = 9
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -350,7 +350,7 @@ def prefill_features() -> dict[str, bool]:
     if lib is None:
         return {}
     f = lib.prefill_attn_features()
-    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2)}
+    return {"avx512": bool(f & 1), "avx512_bf16_dot": bool(f & 2), "amx": bool(f & 4)}
 
 
 def prefill_supports(head_dim: int) -> bool:
@@ -361,10 +361,10 @@ def prefill_supports(head_dim: int) -> bool:
 def prefill_mode(head_dim: int = 64) -> int | None:
     """The prefill attention path `PHASELAB_PREFILL_ATTN` asks for: a kernel mode, or None (torch).
 
-    auto (default): AVX512-BF16 dot products where the CPU has them, else AVX-512 float32 FMA, else
+    auto (default): AMX tiles where the CPU has them, else AVX512-BF16 dot products, else AVX-512 float32 FMA, else
     torch (the portable C path measured 4x slower than torch's flash attention: it exists for tests
-    and as the reference layout), and torch for a head size the kernel does not take. dpbf16, avx512,
-    c, torch force one path; one this CPU's build or this head size cannot run is an error, not a
+    and as the reference layout), and torch for a head size the kernel does not take. amx, dpbf16,
+    avx512, c, torch force one path; one this CPU's build or this head size cannot run is an error, not a
     silent fallback.
     """
     want = os.environ.get(PREFILL_ENV, "auto")
@@ -378,7 +378,8 @@ def prefill_mode(head_dim: int = 64) -> int | None:
     if not prefill_supports(head_dim):
         raise ValueError(f"{PREFILL_ENV}={want}: the kernel takes head sizes that are multiples of 32 up to 256, "
                          f"not {head_dim}; use auto or torch")
-    if (want == "dpbf16" and not feats["avx512_bf16_dot"]) or (want == "avx512" and not feats["avx512"]):
+    if ((want == "dpbf16" and not feats["avx512_bf16_dot"]) or (want == "avx512" and not feats["avx512"])
+            or (want == "amx" and not feats["amx"])):
         raise ValueError(f"{PREFILL_ENV}={want}: this CPU's build lacks it ({feats}); use auto, c or torch")
     return PREFILL_MODES[want]
 

@@ -23,8 +23,9 @@
  * bf16 contiguous. Query row i sits at position start + i and attends to positions 0..start+i.
  * Query head h reads KV head h / (H / KVH), as Hugging Face's repeat_kv pairs them.
  *
- * mode: 0 = the best compiled path (AVX512-BF16 where the CPU has it), 1 = AVX-512 float32 FMA,
- * 2 = portable C; prefill_attn_features() says which were compiled. Work runs on phaselab's pool
+ * mode: 0 = the best compiled path (AMX tiles where the CPU has them and Linux grants them, else
+ * AVX512-BF16), 1 = AVX-512 float32 FMA, 2 = portable C, 3 = AVX512-BF16, 4 = AMX;
+ * prefill_attn_features() says which were compiled. Work runs on phaselab's pool
  * (prefill_attn_set_pool) or OpenMP's team. Returns 0, 1 for an unsupported shape or mode, 2 when
  * memory cannot be allocated.
  */
@@ -42,6 +43,15 @@
 #define PA_DPBF16 1
 #else
 #define PA_DPBF16 0
+#endif
+
+/* Intel AMX: 16 query rows against 32 keys per step as bf16 tile products (amx_item) */
+#if PA_DPBF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PA_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define PA_AMX 0
 #endif
 
 #define MAX_D 256
@@ -303,6 +313,124 @@ static void tile_item(void *ctx, int64_t item) {
     }
 }
 
+/* -- AMX tile ------------------------------------------------------------------------------------
+ * 16 query rows (consecutive positions of one head) against 32 keys per step, the products on AMX
+ * tiles: S (16 x 16 keys, twice) = Q (16 rows x 32 dims, per 32 dims) times Kp's 16-key blocks,
+ * which are already the B-tile layout (16 dim pairs x 16 keys); the online softmax in float32 as
+ * above (per row, key blocks at absolute positions, so a row's result does not depend on the
+ * chunk it came in: chunked = unchunked bit for bit); then P (rounded to bf16) times V, whose
+ * key-pair rows (Vp) are the B-tile layout too, into a C tile per 16 dims that is added to the
+ * row's float32 output after its rescale. */
+#if PA_AMX
+#define AROWS 16
+#define AKEYS 32
+static int g_amx = -1; /* -1: not asked; 0: refused; 1: granted (ARCH_REQ_XCOMP_PERM, per process) */
+static int amx_ok(void) {
+    if (g_amx < 0) g_amx = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return g_amx;
+}
+
+static void amx_config(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((aligned(64))) c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) { /* 0, 1: S; 2: Q; 3: K; 4: P; 5: V; 6: P.V */
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* item = (tile of 16 positions, query head), heaviest tiles first */
+static void amx_item(void *ctx, int64_t item) {
+    const pa_job *j = (const pa_job *)ctx;
+    const int64_t nt = (j->n + AROWS - 1) / AROWS, D = j->D, P = D / 2;
+    const int64_t h = item % j->H, i0 = (nt - 1 - item / j->H) * AROWS, kvh = h / j->G;
+    const uint32_t *kp = j->kp + kvh * j->Lp * P, *vp = j->vp + kvh * j->Lp * P;
+    uint16_t qb[AROWS * MAX_D] __attribute__((aligned(64)));
+    uint16_t pb[AROWS * AKEYS] __attribute__((aligned(64)));
+    float sb[AROWS * AKEYS] __attribute__((aligned(64)));
+    float pv[AROWS * 16] __attribute__((aligned(64)));
+    float o[AROWS * MAX_D] __attribute__((aligned(64)));
+    float m[AROWS], l[AROWS], alpha[AROWS];
+    int64_t pos[AROWS];
+    int rows = 0;
+    for (int r = 0; r < AROWS; r++) { /* past the chunk's end: repeat its last row */
+        const int64_t i = i0 + r < j->n ? i0 + r : j->n - 1;
+        rows += i0 + r < j->n;
+        memcpy(qb + r * D, j->q + i * j->q_stride + h * D, (size_t)D * 2);
+        pos[r] = j->start + i;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+    memset(o, 0, sizeof(float) * (size_t)(AROWS * D));
+    const int64_t kend = pos[AROWS - 1] + 1;
+    const __m512 sc = _mm512_set1_ps(j->scale2);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    amx_config();
+    for (int64_t k0 = 0; k0 < kend; k0 += AKEYS) { /* k0 + 32 <= Lp: Lp is a multiple of 64 */
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t dc = 0; dc < D / 32; dc++) {
+            _tile_loadd(2, qb + 32 * dc, D * 2);
+            _tile_loadd(3, kp + (k0 / 16) * 16 * P + 16 * dc * 16, 64);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_loadd(3, kp + (k0 / 16 + 1) * 16 * P + 16 * dc * 16, 64);
+            _tile_dpbf16ps(1, 2, 3);
+        }
+        _tile_stored(0, sb, AKEYS * 4);
+        _tile_stored(1, sb + 16, AKEYS * 4);
+        for (int r = 0; r < AROWS; r++) {
+            const int64_t lim = pos[r] - k0; /* keys at offset <= lim attend */
+            if (lim < 0) { /* none in this block: no contribution, no rescale */
+                memset(pb + r * AKEYS, 0, AKEYS * 2);
+                alpha[r] = 1.f;
+                continue;
+            }
+            const __m512i lv = _mm512_set1_epi32((int)(lim < AKEYS ? lim : AKEYS));
+            const __mmask16 v0 = _mm512_cmple_epi32_mask(lane, lv);
+            const __mmask16 v1 = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(16)), lv);
+            const __m512 s0 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), v0, _mm512_loadu_ps(sb + r * AKEYS), sc);
+            const __m512 s1 = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), v1, _mm512_loadu_ps(sb + r * AKEYS + 16), sc);
+            const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+            alpha[r] = 1.f;
+            if (mx > m[r]) {
+                alpha[r] = m[r] == -INFINITY ? 0.f : exp2f(m[r] - mx);
+                m[r] = mx;
+                l[r] *= alpha[r];
+            }
+            const __m512 mm = _mm512_set1_ps(m[r]);
+            const __m512 e0 = _mm512_maskz_mov_ps(v0, exp2_ps(_mm512_sub_ps(s0, mm)));
+            const __m512 e1 = _mm512_maskz_mov_ps(v1, exp2_ps(_mm512_sub_ps(s1, mm)));
+            l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+            _mm512_storeu_si512((void *)(pb + r * AKEYS), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        _tile_loadd(4, pb, AKEYS * 2);
+        for (int64_t v = 0; v < D / 16; v++) {
+            _tile_zero(6);
+            _tile_loadd(5, vp + (k0 / 2) * D + 16 * v, D * 4);
+            _tile_dpbf16ps(6, 4, 5);
+            _tile_stored(6, pv, 64);
+            for (int r = 0; r < AROWS; r++) {
+                float *orow = o + r * D + 16 * v;
+                _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), _mm512_set1_ps(alpha[r]),
+                                                       _mm512_loadu_ps(pv + 16 * r)));
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < rows; r++) {
+        uint16_t *out = j->out + ((i0 + r) * j->H + h) * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) out[d] = f32_bf16(o[r * D + d] * inv);
+    }
+}
+#endif /* PA_AMX */
+
 static _Thread_local uint32_t *tl_pack = NULL; /* the calling thread's packed K/V, grown on demand */
 static _Thread_local size_t tl_pack_len = 0;
 
@@ -312,16 +440,23 @@ int prefill_attend(const uint16_t *q, int64_t q_stride, const uint16_t *kc, cons
     if (n <= 0 || start < 0 || KVH <= 0 || H % KVH != 0 || D <= 0 || D > MAX_D || D % 32 != 0 || BS <= 0) return 1;
     if (q_stride < H * D || (start + n + BS - 1) / BS > table_len) return 1;
     tile_fn tile = tile_c;
-    if (mode == 0 || mode == 1) {
+    int amx = 0;
+#if PA_AMX
+    amx = (mode == 0 || mode == 4) && amx_ok();
+#endif
+    if (mode == 4 && !amx) return 1;
+    if (mode == 0 || mode == 1 || mode == 3) {
 #if PA_AVX512
         tile = D == 64 ? tile_f32_64 : D == 128 ? tile_f32_128 : tile_f32_any;
 #if PA_DPBF16
-        if (mode == 0) tile = D == 64 ? tile_dp_64 : D == 128 ? tile_dp_128 : tile_dp_any;
+        if (mode == 0 || mode == 3) tile = D == 64 ? tile_dp_64 : D == 128 ? tile_dp_128 : tile_dp_any;
+#else
+        if (mode == 3) return 1;
 #endif
 #else
-        if (mode == 1) return 1;
+        if (mode == 1 || mode == 3) return 1;
 #endif
-    } else if (mode != 2) {
+    } else if (mode != 2 && mode != 4) {
         return 1;
     }
     const int64_t L = start + n, Lp = (L + KBLK - 1) / KBLK * KBLK;
@@ -335,8 +470,21 @@ int prefill_attend(const uint16_t *q, int64_t q_stride, const uint16_t *kc, cons
     pa_job j = {q, kc, vc, table, out, tl_pack, tl_pack + KVH * Lp * (D / 2), q_stride, start, n, L, Lp, H, KVH,
                 H / KVH, D, BS, (n + ROWS - 1) / ROWS, scale * LOG2E, tile};
     run(pack_item, &j, KVH * (Lp / KBLK));
+#if PA_AMX
+    if (amx) {
+        run(amx_item, &j, (n + AROWS - 1) / AROWS * H);
+        return 0;
+    }
+#endif
     run(tile_item, &j, j.ntiles * H);
     return 0;
 }
 
-int prefill_attn_features(void) { return PA_AVX512 | (PA_DPBF16 << 1); }
+int prefill_attn_features(void) {
+#if PA_AMX
+    const int amx = amx_ok();
+#else
+    const int amx = 0;
+#endif
+    return PA_AVX512 | (PA_DPBF16 << 1) | (amx << 2);
+}
