@@ -20,7 +20,7 @@ from phaselab.model.attention import AttentionMetadata, PrefillSeq, paged_attent
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"native kernel unavailable: {kernels.unavailable_reason()}")
 
 FEATS = kernels.prefill_features() if kernels.available() else {}
-MODES = [  # `auto` (0) runs one of the others: AMX, else AVX512-BF16, else AVX-512
+MODES = [  # `auto` (0) runs one of the others: AVX512-BF16, else AVX-512 (AMX only when asked for)
     pytest.param(0, id="auto", marks=pytest.mark.skipif(not FEATS.get("avx512"), reason="this CPU lacks AVX-512")),
     pytest.param(4, id="amx", marks=pytest.mark.skipif(not FEATS.get("amx"),
                                                        reason="this CPU (or build, or Linux) has no AMX tiles")),

@@ -361,10 +361,11 @@ def prefill_supports(head_dim: int) -> bool:
 def prefill_mode(head_dim: int = 64) -> int | None:
     """The prefill attention path `PHASELAB_PREFILL_ATTN` asks for: a kernel mode, or None (torch).
 
-    auto (default): AMX tiles where the CPU has them, else AVX512-BF16 dot products, else AVX-512 float32 FMA, else
+    auto (default): AVX512-BF16 dot products where the CPU has them, else AVX-512 float32 FMA, else
     torch (the portable C path measured 4x slower than torch's flash attention: it exists for tests
-    and as the reference layout), and torch for a head size the kernel does not take. amx, dpbf16,
-    avx512, c, torch force one path; one this CPU's build or this head size cannot run is an error, not a
+    and as the reference layout), and torch for a head size the kernel does not take. amx (AMX tiles:
+    2.7x faster on an AMX Xeon, opt-in for now, see benchmarks/RESULTS.md), dpbf16, avx512, c, torch
+    force one path; one this CPU's build or this head size cannot run is an error, not a
     silent fallback.
     """
     want = os.environ.get(PREFILL_ENV, "auto")

@@ -23,8 +23,8 @@
  * bf16 contiguous. Query row i sits at position start + i and attends to positions 0..start+i.
  * Query head h reads KV head h / (H / KVH), as Hugging Face's repeat_kv pairs them.
  *
- * mode: 0 = the best compiled path (AMX tiles where the CPU has them and Linux grants them, else
- * AVX512-BF16), 1 = AVX-512 float32 FMA, 2 = portable C, 3 = AVX512-BF16, 4 = AMX;
+ * mode: 0 = the default compiled path (AVX512-BF16 where the CPU has it), 1 = AVX-512 float32 FMA,
+ * 2 = portable C, 3 = AVX512-BF16, 4 = AMX tiles (where the CPU has them and Linux grants them);
  * prefill_attn_features() says which were compiled. Work runs on phaselab's pool
  * (prefill_attn_set_pool) or OpenMP's team. Returns 0, 1 for an unsupported shape or mode, 2 when
  * memory cannot be allocated.
@@ -442,7 +442,7 @@ int prefill_attend(const uint16_t *q, int64_t q_stride, const uint16_t *kc, cons
     tile_fn tile = tile_c;
     int amx = 0;
 #if PA_AMX
-    amx = (mode == 0 || mode == 4) && amx_ok();
+    amx = mode == 4 && amx_ok(); /* opt-in for now: benchmarks/RESULTS.md, "Prefill attention on AMX" */
 #endif
     if (mode == 4 && !amx) return 1;
     if (mode == 0 || mode == 1 || mode == 3) {
