@@ -928,6 +928,33 @@ static void q41x_prepare(const uint16_t *x, int64_t M, int64_t K, uint16_t *xp, 
 }
 #endif
 
+#if QL_AVX512
+/* group g of a Q4_1X row (ng groups, nt tail blocks) widened to float32 in the kernel's column
+ * order: v[2 t], v[2 t + 1] are columns [512 g + 32 t, +16) and [+16, +32), t < 16. d q + m is
+ * rounded once (one FMA), as deq_block does. For dequant_kernel_order and the AMX widening. */
+static inline __attribute__((always_inline)) void q41x_group(const uint8_t *w, int64_t ng, int64_t nt, int64_t g,
+                                                             __m512 v[32]) {
+    const uint16_t *dv = (const uint16_t *)(w + 256 * ng + 20 * nt), *mv = dv + 16 * ng;
+    const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + 16 * g)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mv + 16 * g)));
+    /* lane 2b + e of the first 16 bytes of a pair belongs to block b, of the second 16 to block b + 8 */
+    const __m512 d0 = _mm512_permutexvar_ps(lanes_lo, d), d1 = _mm512_permutexvar_ps(lanes_hi, d);
+    const __m512 m0 = _mm512_permutexvar_ps(lanes_lo, m), m1 = _mm512_permutexvar_ps(lanes_hi, m);
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {
+        const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 256 * g + 32 * p)));
+        const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 256 * g + 32 * p + 16)));
+        /* pair t = 2p: the low nibbles; t = 2p + 1: the high ones */
+        v[4 * p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)), d0, m0);
+        v[4 * p + 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)), d1, m1);
+        v[4 * p + 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), d0, m0);
+        v[4 * p + 3] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), d1, m1);
+    }
+}
+#endif
+
 #if QL_AMX
 /* -- AMX: the batched rows as bf16 tile products --------------------------------------------------
  *
@@ -1006,27 +1033,10 @@ static inline void amx_widen(int fmt, const uint8_t *w, int64_t K, int64_t k0, i
     if (fmt == FMT_Q4_1X) {
         const int64_t nb = K / 32, ng = nb / 16, nt = nb % 16;
         if (k0 < 512 * ng) { /* group k0 / 512, as dequant_kernel_order widens it */
-            const int64_t g = k0 / 512;
-            const uint16_t *dv = (const uint16_t *)(w + 256 * ng + 20 * nt), *mv = dv + 16 * ng;
-            const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-            const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + 16 * g)));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mv + 16 * g)));
-            const __m512 d0 = _mm512_permutexvar_ps(lanes_lo, d), d1 = _mm512_permutexvar_ps(lanes_hi, d);
-            const __m512 m0 = _mm512_permutexvar_ps(lanes_lo, m), m1 = _mm512_permutexvar_ps(lanes_hi, m);
-            const __m512i low = _mm512_set1_epi32(0x0f);
-            _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) {
-                /* 32 bytes: lane 2b + e of the first 16 is block b (< 8), of the second 16 block b + 8 */
-                const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 256 * g + 32 * p)));
-                const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w + 256 * g + 32 * p + 16)));
-                /* pair t = 2p: the low nibbles; t = 2p + 1: the high ones */
-                const __m512 l0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b0, low)), d0, m0);
-                const __m512 l1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b1, low)), d1, m1);
-                const __m512 h0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4)), d0, m0);
-                const __m512 h1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4)), d1, m1);
-                _mm512_storeu_si512((void *)(out + 64 * p), (__m512i)_mm512_cvtne2ps_pbh(l1, l0));
-                _mm512_storeu_si512((void *)(out + 64 * p + 32), (__m512i)_mm512_cvtne2ps_pbh(h1, h0));
-            }
+            __m512 v[32];
+            q41x_group(w, ng, nt, k0 / 512, v);
+            _Pragma("GCC unroll 16") for (int t = 0; t < 16; t++)
+                _mm512_storeu_si512((void *)(out + 32 * t), (__m512i)_mm512_cvtne2ps_pbh(v[2 * t + 1], v[2 * t]));
             return;
         }
         for (int64_t b = (k0 - 512 * ng) / 32; b < (k0 + kc - 512 * ng) / 32; b++, out += 32) { /* tail blocks, as Q4_1 */
@@ -1366,32 +1376,10 @@ int dequant_kernel_order(int fmt, const void *w, int64_t N, int64_t K, void *out
     for (int64_t r = 0; r < N; r++) {
         const uint8_t *wr = (const uint8_t *)w + r * rb;
 #if QL_AVX512
-        const uint16_t *dv = (const uint16_t *)(wr + 256 * ng + 20 * nt), *mv = dv + 16 * ng;
-        const __m512i low = _mm512_set1_epi16(0x000f), one28 = _mm512_set1_epi16(0x4300);
-        const __m512i lanes_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        const __m512i lanes_hi = _mm512_add_epi32(lanes_lo, _mm512_set1_epi32(8));
         for (int64_t g = 0; g < ng; g++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dv + 16 * g)));
-            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mv + 16 * g)));
-            /* word j of a decoded vector belongs to block j / 2 */
-            const __m512 d0 = _mm512_permutexvar_ps(lanes_lo, d), d1 = _mm512_permutexvar_ps(lanes_hi, d);
-            const __m512 m0 = _mm512_permutexvar_ps(lanes_lo, m), m1 = _mm512_permutexvar_ps(lanes_hi, m);
-            const __m512 c128 = _mm512_set1_ps(128.f);
-            for (int p = 0; p < 8; p++) {
-                const __m512i wd = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wr + 256 * g + 32 * p)));
-                const __m512i q[2] = {_mm512_ternarylogic_epi32(wd, low, one28, 0xEA),
-                                      _mm512_ternarylogic_epi32(_mm512_srli_epi16(wd, 4), low, one28, 0xEA)};
-                for (int h = 0; h < 2; h++) { /* pair t = 2p + h */
-                    const int64_t at = r * K + 512 * g + 32 * (2 * p + h);
-                    const __m512 f0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm512_castsi512_si256(q[h])), 16));
-                    const __m512 f1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-                        _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q[h], 1)), 16));
-                    /* (128 + q) - 128 = q exactly; d q + m rounded once, as deq_block does */
-                    store32(out, at, out_bf16, _mm512_fmadd_ps(_mm512_sub_ps(f0, c128), d0, m0),
-                            _mm512_fmadd_ps(_mm512_sub_ps(f1, c128), d1, m1));
-                }
-            }
+            __m512 v[32];
+            q41x_group(wr, ng, nt, g, v);
+            for (int t = 0; t < 16; t++) store32(out, r * K + 512 * g + 32 * t, out_bf16, v[2 * t], v[2 * t + 1]);
         }
         for (int64_t j = 0; j < nt; j++) {
             __m512 lo, hi;
