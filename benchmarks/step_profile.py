@@ -7,7 +7,8 @@ its own overhead would be a large share of a 20 ms step):
     attention   paged attention (KV write + decode kernel; on the fused decode path, RoPE too)
     layers      a fused decode step's decoder layers in one native call (kernels.decode_layers: its
                 linear layers, attention and norms inside; PHASELAB_DECODE_LAYERS=0 splits it into
-                the parts above); linear then holds the LM head only
+                the parts above); linear then holds the LM head only. `layers_ms` splits it by
+                kernel kind (qkv, o, gate_up, down, attention, norm, silu_mul), timed in C
     sampling    the sampler
     model other the rest of the forward: embedding, norms, RoPE, SiLU*up, residual adds
     engine      everything else in step(): scheduling, input preparation, outputs, Python
@@ -83,6 +84,9 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
             if plan is not None and plan.num_prefill_tokens == 0:
                 break
         timers.t.clear()
+        split_on = getattr(model, "decode_layers", False)
+        if split_on:
+            llama.kernels.decode_layers_profile(True)
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         n = 0
@@ -91,6 +95,7 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
             n += 1
         total = time.perf_counter() - t0
         t = dict(timers.t)  # before the requests are run out below
+        split = llama.kernels.decode_layers_profile(False) if split_on else {}
         while eng.has_unfinished_requests():
             eng.step()
     finally:
@@ -110,6 +115,8 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
     return {"batch": batch, "step_ms": round(total / n * 1e3, 2),
             "ms": {k: round(v / n * 1e3, 2) for k, v in parts.items()},
             "share": {k: round(v / total, 3) for k, v in parts.items()},
+            # inside the one native layers call: each kernel kind's wall time per step
+            "layers_ms": {k: round(v / n * 1e3, 3) for k, v in split.items()},
             "load_avg": [load0, os.getloadavg()[0]]}
 
 
@@ -163,6 +170,9 @@ def main() -> None:
             result["profiles"].setdefault(cfg, []).append(r)
             log(f"{cfg} batch {b}: {r['step_ms']} ms/step; " + ", ".join(f"{k} {v:.0%}" for k, v in r["share"].items())
                 + f"; load {r['load_avg'][1]:.1f}")
+            if r["layers_ms"]:
+                log(f"{cfg} batch {b}: inside layers (ms/step) "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in r["layers_ms"].items()))
         del eng
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

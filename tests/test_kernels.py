@@ -60,6 +60,73 @@ def test_kernel_equals_plain_attention(dtype, tol, H, KVH, D, BS):
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+DECODE_FEATS = kernels.decode_features()
+DECODE_PATHS = [
+    pytest.param("c", id="c"),
+    pytest.param("dpbf16", id="dpbf16", marks=pytest.mark.skipif(
+        not DECODE_FEATS.get("avx512_bf16_dot"), reason="this CPU (or build) lacks AVX512-BF16: no vdpbf16ps path")),
+]
+
+
+@pytest.fixture
+def decode_path(request):  # type: ignore[no-untyped-def]
+    """Force one part kernel (PHASELAB_DECODE_ATTN's values) for the test, then restore auto."""
+    kernels.set_decode_attn(request.param)
+    yield request.param
+    kernels.set_decode_attn(kernels.decode_attn_mode())
+
+
+@pytest.mark.parametrize("decode_path", DECODE_PATHS, indirect=True)
+@pytest.mark.parametrize("H,KVH,D,BS", [(9, 3, 64, 16), (32, 8, 128, 32), (4, 1, 64, 8)])
+def test_each_decode_path_equals_float64_across_parts(decode_path, H, KVH, D, BS):
+    """bf16 cache and a q that is exactly bf16 (as the bf16 model's RoPE leaves it), so the
+    vdpbf16ps path qualifies; contexts on both sides of the 128-token parts the work is split
+    into, up to 8 parts, merged in float32. Bound: 2e-5 absolute and relative against float64 on
+    the same bf16 inputs (the float32 path's bound above)."""
+    lens = [1, 127, 128, 129, 300, 1000]
+    q, cache, tables, seq_lens = random_layout(len(lens), H, KVH, D, BS, lens, torch.bfloat16, seed=7)
+    q = q.bfloat16().float()
+    got = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, D**-0.5)
+    want = reference_decode(q, cache[0], cache[1], tables, seq_lens, D**-0.5)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("decode_path", DECODE_PATHS, indirect=True)
+def test_decode_attention_is_the_same_bits_alone_batched_and_on_one_thread(decode_path):
+    """Parts are fixed token ranges merged in part order: a request's output does not depend on
+    the other requests in the call, their order, or how many threads shared the parts."""
+    lens = [700, 5, 300, 129]
+    q, cache, tables, seq_lens = random_layout(len(lens), 9, 3, 64, 16, lens, torch.bfloat16, seed=11)
+    q = q.bfloat16().float()
+    batched = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125)
+    for b in range(len(lens)):
+        alone = kernels.paged_decode(q[b:b + 1].contiguous(), cache[0], cache[1], tables[b:b + 1].contiguous(),
+                                     seq_lens[b:b + 1].contiguous(), 0.125)
+        assert torch.equal(alone[0], batched[b]), f"request {b} (context {lens[b]}) differs alone"
+    order = [3, 1, 0, 2]
+    shuffled = kernels.paged_decode(q[order].contiguous(), cache[0], cache[1], tables[order].contiguous(),
+                                    seq_lens[order].contiguous(), 0.125)
+    assert torch.equal(shuffled, batched[order])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = kernels.paged_decode(q, cache[0], cache[1], tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, batched)
+
+
+def test_decode_path_errors_say_what_to_use(monkeypatch):
+    monkeypatch.setenv(kernels.DECODE_ENV, "bogus")
+    with pytest.raises(ValueError, match="PHASELAB_DECODE_ATTN='bogus': use one of auto, dpbf16, c"):
+        kernels.decode_attn_mode()
+    # a build without AVX512-BF16 (the avx2 and portable ISA builds, AMD Zen 3) refuses dpbf16
+    monkeypatch.setattr(kernels._load(), "paged_decode_features", lambda: 0)
+    with pytest.raises(ValueError, match="lacks AVX512-BF16; use auto or c"):
+        kernels.set_decode_attn("dpbf16")
+    assert kernels.decode_attn_description() == "float32 loops"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: widened in registers, not a buffer
 def test_kernel_reads_only_its_own_blocks(dtype):
     """Poisoning every block outside a request's table (and past its length) changes nothing."""

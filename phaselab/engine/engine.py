@@ -445,6 +445,17 @@ class LLMEngine:
         self.ceilings = ceilings or measure_ceilings(self.model_config, self.dtype, log=logger.info)
         return self.ceilings
 
+    def _attention_paths(self) -> dict[str, Any]:
+        """The attention kernels this engine runs (PHASELAB_DECODE_ATTN, PHASELAB_PREFILL_ATTN)."""
+        from phaselab.model import kernels
+
+        runner = self.executor
+        native = bool(getattr(runner, "native_decode", False))
+        prefill = getattr(runner, "prefill_mode", None)
+        return {"decode": kernels.decode_attn_description() if native else "torch (gather + SDPA)",
+                "prefill": "torch (SDPA)" if prefill is None else
+                next(k for k, v in kernels.PREFILL_MODES.items() if v == prefill)}
+
     def run_config(self) -> dict[str, Any]:
         """config.json of a run directory: model, dtype, policy, budgets, versions, machine."""
         import phaselab
@@ -454,6 +465,7 @@ class LLMEngine:
                       "config": dataclasses.asdict(self.model_config)},
             "dtype": str(self.dtype).removeprefix("torch."),
             "linear": {**linear_probe.to_json(self.linear), **self.linear_summary},
+            "attention": self._attention_paths(),
             "worker": self.worker,
             "role": self.role,
             "engine_args": dataclasses.asdict(self.args),

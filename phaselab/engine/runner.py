@@ -44,6 +44,8 @@ class ModelRunner:
         self._workspace: torch.Tensor | None = None  # decode gather buffer (torch fallback), grown on demand
         # decodes read K/V in place through the native kernel when it builds here (model/kernels)
         self.native_decode = kernels.supports(dtype)
+        if self.native_decode:  # PHASELAB_DECODE_ATTN picks or forces the decode attention part kernel
+            kernels.set_decode_attn(kernels.decode_attn_mode())
         # a decode-only batch runs RoPE + K/V write + attention as one native call (bit-identical, bf16
         # and float32; PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
         self.fused_decode = self.native_decode and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0"

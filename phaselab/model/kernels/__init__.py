@@ -49,6 +49,9 @@ SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the three: part 
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}
+DECODE_ENV = "PHASELAB_DECODE_ATTN"
+# PHASELAB_DECODE_ATTN values -> paged_decode's part kernel (paged_decode_set_mode)
+DECODE_MODES = {"auto": 0, "dpbf16": 1, "c": 2}
 POOL_SOURCE = Path(__file__).with_name("pool.c")
 POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
 SPIN_ENV = "PHASELAB_POOL_SPIN_US"
@@ -64,7 +67,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
 # run the lower paths of every kernel on any CPU that has them
 ISA_ENV = "PHASELAB_KERNEL_ISA"
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
-_ABI = 9
+_ABI = 10
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -180,10 +183,13 @@ def _load() -> ctypes.CDLL | None:
             lib.decode_layers.argtypes = [vp, i64, i64, ctypes.c_int] + [vp] * 6 + [i64, i64] + [vp, vp, i64, vp] \
                 + [i64] * 4 + [ctypes.c_float] * 2
             lib.decode_layers_set_qlinear.argtypes = [vp]
+            lib.decode_layers_profile.argtypes = [ctypes.c_int, vp]
             for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool, lib.elementwise_set_pool):
                 setter.argtypes = [ctypes.c_void_p]
                 setter(pool_address())
+            lib.paged_decode_set_mode.argtypes = [ctypes.c_int]
             _lib = lib
+            set_decode_attn(decode_attn_mode())
         except (OSError, RuntimeError, subprocess.SubprocessError) as e:
             _reason = f"native kernels could not be built: {e}"
     if _lib is None:
@@ -344,6 +350,53 @@ def decode_rope_attend(
     return out
 
 
+def decode_features() -> dict[str, bool]:
+    """What paged_decode.c's part kernels were compiled with on this CPU (empty without the library)."""
+    lib = _load()
+    return {} if lib is None else {"avx512_bf16_dot": bool(lib.paged_decode_features() & 1)}
+
+
+def decode_attn_mode() -> str:
+    """The decode attention part kernel `PHASELAB_DECODE_ATTN` asks for.
+
+    auto (default): vdpbf16ps scores where the CPU has AVX512-BF16 and the call qualifies (bf16
+    cache, head size 64 or 128, q exactly bf16 as the bf16 model's RoPE leaves it), else the
+    portable float32 loops; dpbf16 and c force one (a call dpbf16 cannot take still runs the loops).
+    dpbf16 on a build without AVX512-BF16 is an error, not a silent fallback.
+    """
+    want = os.environ.get(DECODE_ENV, "auto")
+    if want not in DECODE_MODES:
+        raise ValueError(f"{DECODE_ENV}={want!r}: use one of {', '.join(DECODE_MODES)}")
+    return want
+
+
+_decode_attn_set: str | None = None
+
+
+def set_decode_attn(mode: str) -> None:
+    """Select paged_decode's part kernel for this process (a DECODE_MODES name)."""
+    global _decode_attn_set
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode attention {mode!r}: use one of {', '.join(DECODE_MODES)}")
+    lib = _load()
+    if lib is None:
+        return
+    if mode == "dpbf16" and not lib.paged_decode_features() & 1:
+        raise ValueError(f"{DECODE_ENV}=dpbf16: this CPU's build lacks AVX512-BF16; use auto or c")
+    lib.paged_decode_set_mode(DECODE_MODES[mode])
+    _decode_attn_set = mode
+
+
+def decode_attn_description() -> str:
+    """The decode attention path this process runs, for start-up lines and config.json."""
+    if _load() is None:
+        return "torch"
+    mode = _decode_attn_set or "auto"
+    if mode == "auto":
+        mode = "dpbf16" if decode_features().get("avx512_bf16_dot") else "c"
+    return {"dpbf16": "vdpbf16ps scores (bf16 cache)", "c": "float32 loops"}[mode]
+
+
 def prefill_features() -> dict[str, bool]:
     """What prefill_attn.c was compiled with on this CPU (empty without the library)."""
     lib = _load()
@@ -493,6 +546,19 @@ def decode_layers(
         raise RuntimeError(f"decode_layers failed (code {rc}: 1 = a shape or weight format the kernels refuse, "
                            "2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one call at a time")
     return out
+
+
+# decode_layers.c's profile kinds, in its order
+DECODE_LAYERS_KINDS = ("qkv", "o", "gate_up", "down", "attention", "norm", "silu_mul")
+
+
+def decode_layers_profile(on: bool) -> dict[str, float]:
+    """Start (zeroing) or stop timing decode_layers' kernel calls; returns the seconds per kind
+    summed since the last start (wall time of each call, on the calling thread)."""
+    lib = _require("decode_layers")
+    ns = (ctypes.c_int64 * len(DECODE_LAYERS_KINDS))()
+    lib.decode_layers_profile(int(on), ns)
+    return {k: v / 1e9 for k, v in zip(DECODE_LAYERS_KINDS, ns)}
 
 
 _qlinear_bound = False

@@ -17,9 +17,11 @@
  * cache and norm weights in bf16), else float32. Buffers come from one thread-local allocation
  * grown on demand; the pool runs each kernel's work as it does for the Python loop.
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef int (*qlinear_fn)(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M,
                           float *scratch, const float *bias, void *y, int y_bf16, int use_dp);
@@ -40,6 +42,38 @@ int silu_mul(const uint16_t *gu, uint16_t *out, int64_t T, int64_t N);
 int silu_mul_f32(const float *gu, float *out, int64_t T, int64_t N);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
+
+/* Where a call's time goes, for benchmarks/step_profile.py: wall nanoseconds per kernel kind,
+ * summed over calls while profiling is on (decode_layers_profile; two clock reads per kernel call,
+ * about 7 per layer, nothing when off). Kinds: the four linear layers (QKV, O, GATE_UP, DOWN),
+ * attention (RoPE + K/V write + paged attention), norms, SiLU * up. */
+enum { P_ATTN = 4, P_NORM = 5, P_SILU = 6, P_KINDS = 7 };
+static atomic_int g_prof_on = 0;
+static _Atomic int64_t g_prof[P_KINDS];
+
+/* on: 1 starts (and zeroes), 0 stops; ns (P_KINDS) receives the sums so far when not NULL */
+void decode_layers_profile(int on, int64_t *ns) {
+    if (ns)
+        for (int i = 0; i < P_KINDS; i++) ns[i] = atomic_load(&g_prof[i]);
+    if (on)
+        for (int i = 0; i < P_KINDS; i++) atomic_store(&g_prof[i], 0);
+    atomic_store(&g_prof_on, on);
+}
+
+static inline int64_t prof_now(int on) {
+    if (!on) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* t: the previous stamp, moved to now; the time since goes to `kind` */
+static inline void prof_add(int on, int kind, int64_t *t) {
+    if (!on) return;
+    const int64_t now = prof_now(1);
+    atomic_fetch_add_explicit(&g_prof[kind], now - *t, memory_order_relaxed);
+    *t = now;
+}
 
 /* one decoder layer's weights as stored (kernels.DecodeLayer mirrors this layout) */
 typedef struct {
@@ -96,12 +130,16 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
     void *x = buf, *a = buf + sx, *big = buf + 2 * sx, *mid = buf + 2 * sx + sbig;
     float *scratch = (float *)(((uintptr_t)(buf + 2 * sx + sbig + smid) + 63) & ~(uintptr_t)63);
     const void *h = h_in;
+    const int on = atomic_load_explicit(&g_prof_on, memory_order_relaxed);
+    int64_t t = prof_now(on);
     for (int64_t l = 0; l < num_layers; l++) {
         const dl_layer *y = L + l;
         char *kc = kv + l * kv_layer_stride, *vc = kc + kv_half_stride;
         if (norm(bf16, h, residual, y->norm_in, x, M, hidden, eps)) return 1;
+        prof_add(on, P_NORM, &t);
         if (g_qlinear(y->fmt[QKV], y->w[QKV], y->n[QKV], y->k[QKV], x, bf16, M, scratch, y->bias[QKV], big, bf16, 1))
             return 1;
+        prof_add(on, QKV, &t);
         const int rc = bf16 ? decode_rope_attend((const uint16_t *)big, y->n[QKV], (const uint16_t *)cos,
                                                  (const uint16_t *)sin, (uint16_t *)kc, (uint16_t *)vc, slots, tables,
                                                  max_blocks, lens, (uint16_t *)mid, M, H, KVH, D, BS, scale)
@@ -109,18 +147,24 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
                                                      (const float *)sin, (float *)kc, (float *)vc, slots, tables,
                                                      max_blocks, lens, (float *)mid, M, H, KVH, D, BS, scale);
         if (rc) return rc;
+        prof_add(on, P_ATTN, &t);
         if (g_qlinear(y->fmt[O], y->w[O], y->n[O], y->k[O], mid, bf16, M, scratch, y->bias[O], a, bf16, 1)) return 1;
+        prof_add(on, O, &t);
         if (norm(bf16, a, residual, y->norm_post, x, M, hidden, eps)) return 1;
+        prof_add(on, P_NORM, &t);
         if (g_qlinear(y->fmt[GATE_UP], y->w[GATE_UP], y->n[GATE_UP], y->k[GATE_UP], x, bf16, M, scratch,
                       y->bias[GATE_UP], big, bf16, 1))
             return 1;
+        prof_add(on, GATE_UP, &t);
         const int64_t inter = y->n[GATE_UP] / 2;
         if (bf16 ? silu_mul((const uint16_t *)big, (uint16_t *)mid, M, inter)
                  : silu_mul_f32((const float *)big, (float *)mid, M, inter))
             return 1;
+        prof_add(on, P_SILU, &t);
         if (g_qlinear(y->fmt[DOWN], y->w[DOWN], y->n[DOWN], y->k[DOWN], mid, bf16, M, scratch, y->bias[DOWN], h_out,
                       bf16, 1))
             return 1;
+        prof_add(on, DOWN, &t);
         h = h_out;
     }
     return 0;

@@ -40,9 +40,10 @@ static inline __attribute__((always_inline)) float cached(const void *cache, int
     return c.f;
 }
 
-/* softmax in place. Where AVX-512 or AVX2 is compiled the exponentials are simd.h's vector exp (scalar
- * expf was a call per score: at batch 32 with 512-token contexts, 4.6 million calls a step) */
-static inline void softmax_row(float *s, int64_t len) {
+/* exp(s[t] - max) in place over one part's scores; returns the sum, *m_out the max. Where AVX-512
+ * or AVX2 is compiled the exponentials are simd.h's vector exp (scalar expf was a call per score: at
+ * batch 32 with 512-token contexts, 4.6 million calls a step) */
+static inline float exp_row(float *s, int64_t len, float *m_out) {
     float m = -FLT_MAX, sum = 0.f;
     int64_t t = 0;
 #if PL_AVX512
@@ -79,92 +80,208 @@ static inline void softmax_row(float *s, int64_t len) {
         s[t] = expf(s[t] - m);
         sum += s[t];
     }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (t = 0; t < len; t++) s[t] *= inv;
+    *m_out = m;
+    return sum;
 }
 
-/* Query heads [h0*G, (h0+nh)*G) of one request against KV heads [h0, h0+nh): for each cached
- * token, its K (then V) row of these nh KV heads is one contiguous read, used by all nh*G query
- * heads. With nh = KVH a request's whole context streams through memory exactly once. */
-static inline __attribute__((always_inline)) void attend_one(
-    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t h0,
-    int64_t nh, int64_t G, int64_t KVH, int64_t D, int64_t BS, float scale, float *scores, float *acc,
-    float *qg, float *out) {
-    const int64_t Q = nh * G; /* query heads handled here */
-    for (int64_t j = 0; j < Q * D; j++) qg[j] = q[j] * scale;
-    /* scores[j][t] = q_j . k_t(head of j) */
-    for (int64_t t0 = 0; t0 < len; t0 += BS) { /* block by block: no division per token */
-        const int64_t base = table[t0 / BS] * BS, n = len - t0 < BS ? len - t0 : BS;
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t row = ((base + i) * KVH + h0) * D;
-            for (int64_t j = 0; j < Q; j++) {
-                const float *qq = qg + j * D;
-                const int64_t kk = row + (j / G) * D;
-                float s = 0.f;
+/* A request's context is cut into parts of PART tokens (split-K, "flash decoding"): one work item
+ * is one part against one KV head or all of them (pd_item), for their query heads. It leaves, per
+ * query head, the part's max score m, l = sum exp(s - m) and acc = sum exp(s - m) v; the item that
+ * finishes a (request, head group) last merges its parts in part order. The parts are fixed token
+ * ranges, so a request's result does not depend on the batch around it or on which thread ran
+ * what (batched = alone, bit for bit), and at batch 1 a 512-token context is 4 parts x KVH items
+ * for the threads to share (before, KVH = 3 items on 2 threads: one thread did two thirds). */
+#define PART 128
+
+/* each cached token's element offset in the cache (block table walked once per part) */
+static inline void part_rows(const int64_t *table, int64_t t0, int64_t t1, int64_t h, int64_t KVH, int64_t D,
+                             int64_t BS, int64_t *rows) {
+    for (int64_t t = t0; t < t1;) {
+        const int64_t base = table[t / BS] * BS, off = t % BS, n = t1 - t < BS - off ? t1 - t : BS - off;
+        for (int64_t i = 0; i < n; i++) rows[t - t0 + i] = ((base + off + i) * KVH + h) * D;
+        t += n;
+    }
+}
+
+/* The portable part: float32 loops the compiler vectorizes, any head size, either cache dtype.
+ * q (G, D) unscaled; scores (G, PART); qg (G, D) and acc (G, D) scratch; ml (G, 2) out. */
+static inline __attribute__((always_inline)) void part_loops(
+    const float *q, const void *k, const void *v, int bf16, const int64_t *rows, int64_t n, int64_t G, int64_t D,
+    float scale, float *scores, float *qg, float *acc, float *ml) {
+    for (int64_t j = 0; j < G * D; j++) qg[j] = q[j] * scale;
+    for (int64_t i = 0; i < n; i++) { /* scores[j][i] = q_j . k_i */
+        const int64_t row = rows[i]; /* a local: indexed through rows[i], the loop stayed scalar */
+        for (int64_t j = 0; j < G; j++) {
+            const float *qq = qg + j * D;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t d = 0; d < D; d++) s += qq[d] * cached(k, bf16, kk + d);
-                scores[j * len + t0 + i] = s;
-            }
+            for (int64_t d = 0; d < D; d++) s += qq[d] * cached(k, bf16, row + d);
+            scores[j * PART + i] = s;
         }
     }
-    for (int64_t j = 0; j < Q; j++) softmax_row(scores + j * len, len); /* each query head's */
-    /* out_j = sum_t p_j[t] v_t(head of j) */
-    memset(acc, 0, sizeof(float) * (size_t)(Q * D));
-    for (int64_t t0 = 0; t0 < len; t0 += BS) {
-        const int64_t base = table[t0 / BS] * BS, n = len - t0 < BS ? len - t0 : BS;
-        for (int64_t i = 0; i < n; i++) {
-            const int64_t row = ((base + i) * KVH + h0) * D;
-            for (int64_t j = 0; j < Q; j++) {
-                const float p = scores[j * len + t0 + i];
-                const int64_t vv = row + (j / G) * D;
-                float *a = acc + j * D;
+    for (int64_t j = 0; j < G; j++) ml[2 * j + 1] = exp_row(scores + j * PART, n, ml + 2 * j);
+    /* acc_j = sum_i p_j[i] v_i, summed in this thread's scratch (qg is free now): `acc` is in the
+     * caller's buffer beside other threads' parts, where a store per token would share cache lines */
+    float *sum = qg;
+    memset(sum, 0, sizeof(float) * (size_t)(G * D));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = rows[i];
+        for (int64_t j = 0; j < G; j++) {
+            const float p = scores[j * PART + i];
+            float *a = sum + j * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * cached(v, bf16, vv + d);
-            }
+            for (int64_t d = 0; d < D; d++) a[d] += p * cached(v, bf16, row + d);
         }
     }
-    memcpy(out, acc, sizeof(float) * (size_t)(Q * D));
+    memcpy(acc, sum, sizeof(float) * (size_t)(G * D));
 }
 
-#define ATTEND_ARGS                                                                                         \
-    const float *q, const void *k, const void *v, int bf16, const int64_t *table, int64_t len, int64_t h0, \
-        int64_t nh, int64_t G, int64_t KVH, int64_t D, int64_t BS, float scale, float *scores, float *acc,   \
-        float *qg, float *out
-typedef void (*attend_fn)(ATTEND_ARGS);
+#define PART_ARGS                                                                                         \
+    const float *q, const uint16_t *qb, const void *k, const void *v, int bf16, const int64_t *rows, int64_t n, \
+        int64_t G, int64_t D, float scale, float *scores, float *qg, float *acc, float *ml
+typedef void (*part_fn)(PART_ARGS);
 
 /* the common head sizes get their own copy, with D a constant the compiler unrolls, and so does
  * the cache dtype (`bf16` a literal: one loop per dtype, no branch in it) */
-#define ATTEND_CALL(BF16, DIM) \
-    attend_one(q, k, v, BF16, table, len, h0, nh, G, KVH, DIM, BS, scale, scores, acc, qg, out)
-static void attend_d64(ATTEND_ARGS) {
-    (void)D;
-    if (bf16) ATTEND_CALL(1, 64); else ATTEND_CALL(0, 64);
+#define LOOPS_CALL(BF16, DIM) part_loops(q, k, v, BF16, rows, n, G, DIM, scale, scores, qg, acc, ml)
+static void loops_d64(PART_ARGS) {
+    (void)D, (void)qb;
+    if (bf16) LOOPS_CALL(1, 64); else LOOPS_CALL(0, 64);
 }
-static void attend_d128(ATTEND_ARGS) {
-    (void)D;
-    if (bf16) ATTEND_CALL(1, 128); else ATTEND_CALL(0, 128);
+static void loops_d128(PART_ARGS) {
+    (void)D, (void)qb;
+    if (bf16) LOOPS_CALL(1, 128); else LOOPS_CALL(0, 128);
 }
-static void attend_any(ATTEND_ARGS) {
-    if (bf16) ATTEND_CALL(1, D); else ATTEND_CALL(0, D);
+static void loops_any(PART_ARGS) {
+    (void)qb;
+    if (bf16) LOOPS_CALL(1, D); else LOOPS_CALL(0, D);
 }
+
+#if PL_AVX512 && defined(__AVX512BF16__)
+#define PD_DPBF16 1
+/* 16 vectors -> one vector of their 16 horizontal sums, in order: 15 adds and 30 shuffles for 16
+ * dot products (a reduce per vector is 4 adds and 4 shuffles each). Lane 4L + k of the tree's
+ * result holds v[L + 4k]; the final permute puts v[i] in lane i. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++) /* [v0's 8 partial sums | v1's 8] */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* four vectors' 4 partial sums, one per 128-bit lane */
+        y[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) z[i] = _mm512_add_ps(_mm512_unpacklo_ps(y[2 * i], y[2 * i + 1]),
+                                                     _mm512_unpackhi_ps(y[2 * i], y[2 * i + 1]));
+    const __m512 r = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(z[0]), _mm512_castps_pd(z[1]))));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+static inline __m512 widen16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* acc (NJ heads, D) = sum_i p_j[i] v_i: each V row widened once for NJ heads' float32 FMAs */
+static inline __attribute__((always_inline)) void pv_heads(const uint16_t *v, const int64_t *rows, int64_t n,
+                                                           const float *p, int NJ, int D, float *acc) {
+    __m512 a[16];
+    for (int c = 0; c < NJ * D / 16; c++) a[c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *vr = v + rows[i];
+        if (i + 8 < n)
+            for (int c = 0; c < D / 32; c++) _mm_prefetch((const char *)(v + rows[i + 8] + 32 * c), _MM_HINT_T0);
+        __m512 w[8];
+        for (int c = 0; c < D / 16; c++) w[c] = widen16(vr + 16 * c);
+        for (int j = 0; j < NJ; j++) {
+            const __m512 pj = _mm512_set1_ps(p[j * PART + i]);
+            for (int c = 0; c < D / 16; c++) a[j * (D / 16) + c] = _mm512_fmadd_ps(pj, w[c], a[j * (D / 16) + c]);
+        }
+    }
+    for (int c = 0; c < NJ * D / 16; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
+}
+
+/* The AVX512-BF16 part (bf16 cache, head size DIM = 64 or 128, q exactly bf16: qb): scores as
+ * vdpbf16ps dot products of the bf16 q and K rows (every product exact in float32, sums in float32),
+ * 16 tokens at a time reduced by sum16, then scaled; softmax as above; P.V in float32 FMAs. */
+static inline __attribute__((always_inline)) void part_dp(const uint16_t *qb, const uint16_t *k, const uint16_t *v,
+                                                          const int64_t *rows, int64_t n, int64_t G, int DIM,
+                                                          float scale, float *scores, float *acc, float *ml) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int64_t j = 0; j < G; j++) {
+        __m512bh qv[4];
+        for (int c = 0; c < DIM / 32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qb + j * DIM + 32 * c);
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            __m512 d[16];
+            for (int u = 0; u < 16; u++) {
+                d[u] = _mm512_setzero_ps();
+                if (j == 0 && i0 + u + 16 < n) /* the next 16 rows, while these compute (first head only) */
+                    for (int c = 0; c < DIM / 32; c++) _mm_prefetch((const char *)(k + rows[i0 + u + 16] + 32 * c), _MM_HINT_T0);
+                if (i0 + u < n) {
+                    const uint16_t *kr = k + rows[i0 + u];
+                    for (int c = 0; c < DIM / 32; c++)
+                        d[u] = _mm512_dpbf16_ps(d[u], (__m512bh)_mm512_loadu_si512(kr + 32 * c), qv[c]);
+                }
+            }
+            const __m512 r = _mm512_mul_ps(sum16(d), sc);
+            if (i0 + 16 <= n) _mm512_storeu_ps(scores + j * PART + i0, r);
+            else _mm512_mask_storeu_ps(scores + j * PART + i0, (__mmask16)((1u << (n - i0)) - 1), r);
+        }
+        ml[2 * j + 1] = exp_row(scores + j * PART, n, ml + 2 * j);
+    }
+    const int per = DIM == 64 ? 4 : 2; /* query heads per V pass: 16 accumulators at most */
+    for (int64_t j = 0; j < G; j += per) {
+        const int64_t nj = G - j < per ? G - j : per;
+        float *pa = acc + j * DIM;
+        const float *pp = scores + j * PART;
+        /* literal head counts, so the accumulators stay in registers */
+        if (DIM == 64 && nj == 4) pv_heads(v, rows, n, pp, 4, 64, pa);
+        else if (DIM == 64 && nj == 3) pv_heads(v, rows, n, pp, 3, 64, pa);
+        else if (nj == 2) pv_heads(v, rows, n, pp, 2, DIM, pa);
+        else pv_heads(v, rows, n, pp, 1, DIM, pa);
+    }
+}
+
+static void dp_d64(PART_ARGS) {
+    (void)q, (void)bf16, (void)D, (void)qg;
+    part_dp(qb, (const uint16_t *)k, (const uint16_t *)v, rows, n, G, 64, scale, scores, acc, ml);
+}
+static void dp_d128(PART_ARGS) {
+    (void)q, (void)bf16, (void)D, (void)qg;
+    part_dp(qb, (const uint16_t *)k, (const uint16_t *)v, rows, n, G, 128, scale, scores, acc, ml);
+}
+#else
+#define PD_DPBF16 0
+#endif
 
 /* set by paged_decode_set_pool (pool.c's phaselab_pool_run); NULL: OpenMP's team */
 static pool_run_fn g_pool_run = NULL;
 void paged_decode_set_pool(void *fn) { g_pool_run = (pool_run_fn)fn; }
 
+/* the part kernel: 0 auto (AVX512-BF16 where compiled and the call qualifies), 1 the same, forced
+ * for tests (a call that does not qualify still takes the loops), 2 the portable loops
+ * (PHASELAB_DECODE_ATTN, kernels.decode_attn_mode) */
+static int g_mode = 0;
+void paged_decode_set_mode(int mode) { g_mode = mode; }
+/* bit 0: the AVX512-BF16 part kernel is compiled in */
+int paged_decode_features(void) { return PD_DPBF16; }
+
 typedef struct {
     const float *q;
+    const uint16_t *qb;
     const void *k, *v;
     int bf16;
     const int64_t *tables;
     int64_t max_blocks;
     const int64_t *lens;
     float *out;
-    int64_t H, KVH, D, BS, G, nh, per_request;
+    int64_t H, KVH, D, BS, G;
+    int64_t nh, parts; /* KV heads per item; parts: the most of any request */
     float scale;
-    attend_fn attend;
-    int64_t score_len; /* scratch floats for scores: nh * G * the longest context */
+    part_fn part;
+    float *part_acc;   /* (B, KVH / nh, parts, nh * G, D) */
+    float *part_ml;    /* (B, KVH / nh, parts, nh * G, 2) */
+    atomic_int *done;  /* (B, KVH / nh) parts finished */
     atomic_int failed;
 } pd_job;
 
@@ -182,18 +299,72 @@ static float *scratch(size_t n) {
     return tl_buf;
 }
 
+/* out (Q, D) of one (request, KV head group) from its np parts, Q = nh * G query heads, in part
+ * order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p with M the largest m_p */
+static void merge_parts(const pd_job *j, int64_t first, int64_t np, float *out) {
+    const int64_t Q = j->nh * j->G, D = j->D;
+    for (int64_t h = 0; h < Q; h++) {
+        float M = -FLT_MAX, L = 0.f;
+        for (int64_t p = 0; p < np; p++) {
+            const float m = j->part_ml[((first + p) * Q + h) * 2];
+            M = m > M ? m : M;
+        }
+        float *o = out + h * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t p = 0; p < np; p++) {
+            const float *ml = j->part_ml + ((first + p) * Q + h) * 2, *a = j->part_acc + ((first + p) * Q + h) * D;
+            const float w = expf(ml[0] - M);
+            L += w * ml[1];
+#pragma omp simd
+            for (int64_t d = 0; d < D; d++) o[d] += w * a[d];
+        }
+        for (int64_t d = 0; d < D; d++) o[d] /= L;
+    }
+}
+
+/* One item: part p of request b against KV heads [h0, h0 + nh). Its heads one after another, over
+ * the same cached rows: with nh = KVH a part's K and V rows (all heads of a token, contiguous) come
+ * from memory once, the later heads from L2. How heads are grouped into items does not change a
+ * bit of the result (each head's parts are computed and merged the same way): only the part
+ * boundaries could, and they are fixed. */
 static void pd_item(void *ctx, int64_t item) {
     pd_job *j = (pd_job *)ctx;
-    const int64_t per_head = j->nh * j->G * j->D;
-    float *buf = scratch((size_t)(j->score_len + 2 * per_head));
+    const int64_t G = j->G, D = j->D, nh = j->nh, Q = nh * G, bg = item / j->parts, p = item % j->parts;
+    const int64_t groups = j->KVH / nh, b = bg / groups, h0 = (bg % groups) * nh, len = j->lens[b], t0 = p * PART;
+    if (t0 >= len) return; /* a shorter request than the longest: no such part */
+    const int64_t t1 = len - t0 < PART ? len : t0 + PART, np = (len + PART - 1) / PART;
+    float *buf = scratch((size_t)(G * PART + G * D));
     if (!buf) {
         atomic_store(&j->failed, 1);
         return;
     }
-    const int64_t b = item / j->per_request, h0 = (item % j->per_request) * j->nh;
-    j->attend(j->q + (b * j->H + h0 * j->G) * j->D, j->k, j->v, j->bf16, j->tables + b * j->max_blocks, j->lens[b],
-              h0, j->nh, j->G, j->KVH, j->D, j->BS, j->scale, buf, buf + j->score_len, buf + j->score_len + per_head,
-              j->out + (b * j->H + h0 * j->G) * j->D);
+    int64_t rows[PART];
+    part_rows(j->tables + b * j->max_blocks, t0, t1, h0, j->KVH, D, j->BS, rows);
+    const size_t el = j->bf16 ? 2 : 4;
+    for (int64_t hh = 0; hh < nh; hh++) {
+        const int64_t qoff = (b * j->H + (h0 + hh) * G) * D;
+        const char *k = (const char *)j->k + (size_t)(hh * D) * el, *v = (const char *)j->v + (size_t)(hh * D) * el;
+        j->part(j->q + qoff, j->qb ? j->qb + qoff : NULL, k, v, j->bf16, rows, t1 - t0, G, D, j->scale, buf,
+                buf + G * PART, j->part_acc + (item * Q + hh * G) * D, j->part_ml + (item * Q + hh * G) * 2);
+    }
+    /* the last part of this (request, head group) to finish merges them all (acq_rel: it sees theirs) */
+    if (np == 1 || atomic_fetch_add_explicit(&j->done[bg], 1, memory_order_acq_rel) == np - 1)
+        merge_parts(j, bg * j->parts, np, j->out + (b * j->H + h0 * G) * D);
+}
+
+/* the caller's per-call buffers (partial results, counters, bf16 q), grown on demand; workers
+ * write into them, so they belong to the calling thread, not to whichever thread runs a part */
+static _Thread_local char *tl_call = NULL;
+static _Thread_local size_t tl_call_len = 0;
+
+static char *call_buffer(size_t n) {
+    if (n > tl_call_len) {
+        char *b = realloc(tl_call, n);
+        if (!b) return NULL;
+        tl_call = b;
+        tl_call_len = n;
+    }
+    return tl_call;
 }
 
 int paged_decode(const float *q, const void *k, const void *v, int bf16, const int64_t *tables,
@@ -201,18 +372,41 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
                  int64_t D, int64_t BS, float scale) {
     if (KVH <= 0 || H % KVH != 0 || D <= 0 || D > MAX_HEAD_DIM || BS <= 0) return 1;
     const int64_t G = H / KVH;
-    const attend_fn attend = D == 64 ? attend_d64 : D == 128 ? attend_d128 : attend_any;
     int64_t max_len = 1;
     for (int64_t b = 0; b < B; b++) {
         if (lens[b] <= 0 || lens[b] > max_blocks * BS) return 1;
         if (lens[b] > max_len) max_len = lens[b];
     }
-    /* one work item per request (all KV heads: one pass over its context) when there are enough
-     * requests to keep every thread busy, else one per (request, KV head) */
-    const int64_t nh = B >= 2 * (int64_t)omp_get_max_threads() ? KVH : 1;
-    pd_job j = {q, k, v, bf16, tables, max_blocks, lens, out, H, KVH, D, BS, G, nh, KVH / nh, scale, attend,
-                nh * G * max_len, 0};
-    const int64_t items = B * j.per_request;
+    /* all KV heads in one item (one pass over each part's rows) when the parts alone give every
+     * thread several items; else one KV head per item, so that a short batch still splits evenly */
+    int64_t total_parts = 0;
+    for (int64_t b = 0; b < B; b++) total_parts += (lens[b] + PART - 1) / PART;
+    const int64_t nh = total_parts >= 4 * (int64_t)omp_get_max_threads() ? KVH : 1;
+    const int64_t parts = (max_len + PART - 1) / PART, items = B * (KVH / nh) * parts;
+    const size_t n_acc = (size_t)(items * nh * G * D), n_ml = (size_t)(items * nh * G * 2);
+    const size_t n_done = (size_t)(B * (KVH / nh)), n_qb = (size_t)(B * H * D);
+    char *raw = call_buffer(sizeof(float) * (n_acc + n_ml) + sizeof(atomic_int) * n_done + 2 * n_qb + 128);
+    if (!raw) return 2;
+    char *buf = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63); /* parts' sums on whole cache lines */
+    pd_job j = {q, NULL, k, v, bf16, tables, max_blocks, lens, out, H, KVH, D, BS, G, nh, parts, scale,
+                D == 64 ? loops_d64 : D == 128 ? loops_d128 : loops_any, (float *)buf, (float *)buf + n_acc,
+                (atomic_int *)((float *)buf + n_acc + n_ml), 0};
+    for (size_t i = 0; i < n_done; i++) atomic_init(&j.done[i], 0);
+#if PD_DPBF16
+    if (g_mode != 2 && bf16 && (D == 64 || D == 128)) {
+        /* q as bf16, when every value is one (the bf16 model's RoPE output is): else the loops */
+        uint16_t *qb = (uint16_t *)(((uintptr_t)(j.done + n_done) + 63) & ~(uintptr_t)63);
+        int exact = 1;
+        for (size_t i = 0; i < n_qb && exact; i++) {
+            qb[i] = f32_bf16(q[i]);
+            exact = bf16f(qb[i]) == q[i];
+        }
+        if (exact) {
+            j.qb = qb;
+            j.part = D == 64 ? dp_d64 : dp_d128;
+        }
+    }
+#endif
     if (g_pool_run) {
         g_pool_run(pd_item, &j, items);
     } else {
@@ -365,4 +559,4 @@ int rope_write_kv(const uint16_t *qkv, int64_t stride, const uint16_t *cos, cons
     return 0;
 }
 
-int phaselab_kernel_abi(void) { return 9; }
+int phaselab_kernel_abi(void) { return 10; }
