@@ -13,7 +13,7 @@ import time
 import torch
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
-from phaselab.model import kernels
+from phaselab.model import hugepages, kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.sampler import Sampler
@@ -38,8 +38,9 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.dtype = dtype
-        self.kv_caches = torch.zeros(
-            (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim), dtype=dtype
+        # on huge pages where the OS gives them (model/hugepages.py): decode reads the cache every step
+        self.kv_caches = hugepages.zeros(
+            (c.num_hidden_layers, 2, num_blocks, block_size, c.num_key_value_heads, c.head_dim), dtype
         )
         self._workspace: torch.Tensor | None = None  # decode gather buffer (torch fallback), grown on demand
         # decodes read K/V in place through the native kernel when it builds here (model/kernels)

@@ -30,12 +30,15 @@ Activations and outputs stay in the engine dtype; sums run in float32.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phaselab.model import hugepages
 from phaselab.model.kernels import qlinear
 from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
 
@@ -254,6 +257,7 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         if config.tie_word_embeddings:  # one table: the lookup widens the re-laid rows (C, per row)
             model.model.embed_tokens.packed = model.head.packed
     formats[embed.fmt] = formats.get(embed.fmt, 0) + 1
+    huge = _onto_huge_pages(model)
     dense = sum(w.numel() * act_dtype.itemsize for w in weights.values()
                 if isinstance(w, torch.Tensor) and w.dim() == 1)
     return {
@@ -270,4 +274,33 @@ def install(model: nn.Module, weights: dict[str, Any], path: str, act_dtype: tor
         "tied_head": "embedding's packed rows" if config.tie_word_embeddings else "own packed rows",
         "requantized_from": sorted({w.source_fmt for w in weights.values()
                                     if isinstance(w, PackedTensor) and w.source_fmt}),
+        "huge_pages": huge,
     }
+
+
+def _onto_huge_pages(model: nn.Module) -> str:
+    """Move every packed weight (and a dense weight a layer's GEMM reads) into one huge-page
+    mapping, in the order a step reads them: layer by layer, then the head (hugepages.py says
+    why). A tensor two modules share (the tied embedding and head) moves once. Returns what was
+    done, for config.json."""
+    if not hugepages.enabled():
+        return f"off ({hugepages.ENV}=0)" if os.environ.get(hugepages.ENV) == "0" else f"off (THP {hugepages.mode()})"
+    head = getattr(model, "head", None)
+    # the layers in order, then the head, then an untied embedding table (only gathered)
+    modules = [m for m in model.modules() if isinstance(m, PackedLinear) and m is not head]
+    modules += [head] if isinstance(head, PackedLinear) else []
+    modules += [m for m in model.modules() if isinstance(m, PackedEmbedding)]
+    tensors: dict[int, torch.Tensor] = {}
+    for m in modules:
+        for t in (m.packed.data, getattr(m, "direct", None)):
+            if t is not None and t.is_contiguous():
+                tensors.setdefault(t.data_ptr(), t)
+    moved = dict(zip(tensors, hugepages.pack(list(tensors.values()))))
+    for m in modules:
+        if m.packed.data.data_ptr() in moved:
+            m.packed = dataclasses.replace(m.packed, data=moved[m.packed.data.data_ptr()])
+        direct = getattr(m, "direct", None)
+        if direct is not None and direct.data_ptr() in moved:
+            m.direct = moved[direct.data_ptr()]
+    mib = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    return f"{mib:.1f} MiB of weights on huge pages (madvise, THP {hugepages.mode()})"
