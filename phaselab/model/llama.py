@@ -81,9 +81,17 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, hd)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # (T, hd) each
+        if dtype == self.cos.dtype:
+            return self.cos[positions], self.sin[positions]  # (T, hd) each
+        # the tables cast once per dtype (the same values as casting the looked-up rows): a decode
+        # step then pays two lookups, not two lookups and two casts
+        cast = self._cast.get(dtype)
+        if cast is None or cast[0].device != self.cos.device:
+            cast = self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
+        return cast[0][positions], cast[1][positions]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -1420,7 +1420,9 @@ int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *id
     if (fmt < 0 || fmt > FMT_LAST || K <= 0 || (fmt >= FMT_Q8_0 && K % 32 != 0)) return 1;
     if (!idx) R = N;
     const int64_t rb = row_bytes(fmt, K);
-#pragma omp parallel for schedule(static)
+    /* a decode step's embedding lookup is a row or a few: waking OpenMP's team for them cost more
+     * than the rows (135 us for one 576-wide row under OMP_WAIT_POLICY=PASSIVE) */
+#pragma omp parallel for schedule(static) if (R * K >= (1 << 16))
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wr = (const uint8_t *)w + (idx ? idx[r] : r) * rb;
 #if QL_AVX512
