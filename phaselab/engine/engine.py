@@ -5,6 +5,8 @@
              result = executor.execute(plan)      # torch runner (or a cost model, or a remote worker)
              deltas = scheduler.update(plan, result)
              outputs = self._process(...)         # phase stamps (recorder), detokenize, stop strings
+             (the iteration record)
+             self._hand_over(outputs)             # sent stamps, finished requests closed: on return
 
 Requests join and leave between steps (continuous batching). The engine owns the clock: it reads
 `time.monotonic_ns()` around each step and hands the times to its PhaseRecorder (core/recorder.py),
@@ -338,6 +340,7 @@ class LLMEngine:
         if self.recording:
             self._record_iteration(plan, result, t0, t1, t2, t3, predicted)
         self.last_plan = plan
+        self._hand_over(outputs)
         return outputs
 
     def _process(self, plan: SchedulerOutput, deltas: list[RequestDelta], start_ns: int, end_ns: int
@@ -363,6 +366,13 @@ class LLMEngine:
             if finished:
                 del self._tracked[d.request_id]
             outputs.append(self._output(t, finished))
+        return outputs
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """The outputs leave step() now: their tokens' sent stamps (offline) and the finished
+        requests' ends, after the step's own bookkeeping (the iteration record, the metrics), so that
+        a closed-loop caller's next request arrives microseconds after the end it waited for, not
+        after that bookkeeping (workload/rerun.py reads releases from those gaps)."""
         sent_ns = time.monotonic_ns()
         for out in outputs:
             if self.stamp_sent:
@@ -371,7 +381,6 @@ class LLMEngine:
                 c = out.outputs[0]
                 self.recorder.finish(out.request_id, c.finish_reason, len(c.token_ids),
                                      sent_ns if self.stamp_sent else None)
-        return outputs
 
     def mark_delivered(self, request_id: str, sent_ns: int) -> None:
         """The server wrote a finished request's last bytes at `sent_ns` (any thread may call)."""
