@@ -183,3 +183,41 @@ def test_model_native_paths_as_close_to_fp32_as_torch_ops() -> None:
             continue  # not this CPU's path (no AVX-512): the kernel's unit tests cover it
         assert agree(native) >= agree(other) - 0.02, (name, agree(native), agree(other))
         assert err(native) <= 1.15 * err(other), (name, err(native), err(other))
+
+
+def _logit_rows(T: int, N: int, seed: int) -> torch.Tensor:
+    """Rows with the cases argmax must agree on: exact ties (first wins), -inf rows, +-0, a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, N, generator=g).bfloat16().float()  # bf16 values: ties are common
+    if T > 0 and N > 20:
+        x[0, 3] = x[0, N - 1] = 50.0  # a tie far apart
+        x[min(1, T - 1)] = float("-inf")  # nothing larger than -inf anywhere
+        x[min(2, T - 1), :] = 0.0
+        x[min(2, T - 1), 17] = -0.0
+        x[min(3, T - 1), N // 2] = float("nan")  # NaN counts as the largest
+        x[min(3, T - 1), N - 2] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("T,N", [(1, 49152), (4, 5), (7, 15), (3, 16), (5, 33), (40, 2000), (3, 1)])
+def test_argmax_rows_is_torch_argmax(T, N):
+    """Ties, -inf rows, signed zeros and NaN give torch's index; many rows go through the pool."""
+    for seed in range(3):
+        x = _logit_rows(T, N, seed)
+        assert torch.equal(kernels.argmax_rows(x), x.argmax(dim=-1)), (T, N, seed)
+
+
+def test_argmax_rows_leaves_other_tensors_to_torch():
+    x = torch.randn(3, 40)
+    assert torch.equal(kernels.argmax_rows(x.t()), x.t().argmax(dim=-1))  # not contiguous
+    assert torch.equal(kernels.argmax_rows(x.double()), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("T,N", [(1, 49152), (3, 7), (64, 2048)])
+def test_to_float_is_exact(T, N):
+    x = torch.randn(T, N).bfloat16()
+    x[0, 0] = float("nan")
+    x[-1, -1] = float("-inf")
+    got = kernels.to_float(x)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.equal(got.view(torch.int32), x.float().view(torch.int32))  # bit for bit, NaN included

@@ -139,11 +139,13 @@ class ModelRunner:
             if not self.native_decode:
                 meta.decode_mask = (torch.arange(max_blocks * bs)[None, :] < lens[:, None])[:, None, None, :]
                 meta.decode_workspace = self._decode_workspace(len(decode_rows) * max_blocks)
+        # every row samples (a decode-only step): all of them, in order, with no gather copies
+        all_rows = len(logits_indices) == len(input_ids)
         return (
             torch.tensor(input_ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
             meta,
-            torch.tensor(logits_indices, dtype=torch.long),
+            None if all_rows else torch.tensor(logits_indices, dtype=torch.long),
             sampling,
         )
 

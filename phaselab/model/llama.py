@@ -265,7 +265,7 @@ class LlamaForCausalLM(nn.Module):
             h, residual = h[logits_indices], residual[logits_indices]
         h, _ = self.model.norm.add_norm(h, residual, native)
         logits = self.head(h) if self.head is not None else F.linear(h, self.lm_head_weight)
-        return logits.float()  # (rows, vocab) fp32
+        return kernels.to_float(logits) if native else logits.float()  # (rows, vocab) fp32
 
     # -- loading ------------------------------------------------------------------------------
     @torch.no_grad()

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from phaselab.core.outputs import ScheduledRequest, TokenLogprobs
+from phaselab.model import kernels
 
 _MASK64 = (1 << 64) - 1
 
@@ -107,13 +108,15 @@ class Sampler:
 
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
         sampled = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        # greedy picks natively where the kernels build: torch's argmax is a scalar loop that also
+        # wakes OpenMP's team (kernels.argmax_rows: the same index, ties and NaN included)
         if not sampled:  # all greedy (or all sampled, below): no gather copy of the logits
-            token_ids = x.argmax(dim=-1)  # (B,)
+            token_ids = kernels.argmax_rows(x)  # (B,)
         elif not greedy:
             token_ids = self._sample_random(x, requests)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-            token_ids[greedy] = x[greedy].argmax(dim=-1)
+            token_ids[greedy] = kernels.argmax_rows(x[greedy])
             token_ids[sampled] = self._sample_random(x[sampled], [requests[i] for i in sampled])
 
         tokens: list[int] = token_ids.tolist()

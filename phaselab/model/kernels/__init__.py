@@ -67,7 +67,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno
 # run the lower paths of every kernel on any CPU that has them
 ISA_ENV = "PHASELAB_KERNEL_ISA"
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
-_ABI = 10
+_ABI = 11
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -179,6 +179,9 @@ def _load() -> ctypes.CDLL | None:
                 fn.restype = ctypes.c_int
             lib.add_rms_norm.argtypes = lib.add_rms_norm_f32.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
             lib.silu_mul.argtypes = lib.silu_mul_f32.argtypes = [vp, vp, i64, i64]
+            for fn in (lib.bf16_to_f32, lib.argmax_rows):
+                fn.restype = ctypes.c_int
+                fn.argtypes = [vp, vp, i64, i64]
             lib.decode_layers.restype = ctypes.c_int
             lib.decode_layers.argtypes = [vp, i64, i64, ctypes.c_int] + [vp] * 6 + [i64, i64] + [vp, vp, i64, vp] \
                 + [i64] * 4 + [ctypes.c_float] * 2
@@ -500,6 +503,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, N2 // 2), dtype=gate_up.dtype)
     fn = lib.silu_mul_f32 if gate_up.dtype == torch.float32 else lib.silu_mul
     fn(gate_up.data_ptr(), out.data_ptr(), T, N2 // 2)
+    return out
+
+
+def to_float(x: torch.Tensor) -> torch.Tensor:
+    """x.float() for a contiguous 2-D bf16 tensor (the logits), without waking torch's OpenMP team
+    for a few rows (elementwise.c says why); any other tensor goes to torch."""
+    lib = _load()
+    if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2 or not x.is_contiguous():
+        return x.float()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.bf16_to_f32(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a contiguous 2-D float32 tensor (the greedy pick: the first largest
+    value, a NaN counting as the largest, as torch) natively; any other tensor goes to torch."""
+    lib = _load()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or x.shape[1] == 0:
+        return x.argmax(dim=-1)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
     return out
 
 

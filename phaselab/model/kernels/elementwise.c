@@ -262,3 +262,88 @@ int silu_mul_f32(const float *gu, float *out, int64_t T, int64_t N) {
     run_rows(silu32_item, &j, T, T * N);
     return 0;
 }
+
+/* -- the logits: widened to float32, and the greedy pick ---------------------------------------
+ * torch runs both as parallel ops above 32768 elements, and on 2 cores under OMP_WAIT_POLICY=PASSIVE
+ * waking OpenMP's team cost more than the work: a (1, 49152) bf16 -> float32 copy took 103 us on
+ * two threads and 6 on one, argmax 90-165 us (a scalar loop). Here they run on the caller alone
+ * for a decode step's few rows and on the pool for many. */
+typedef struct {
+    const uint16_t *x;
+    float *y;
+    int64_t T, N;
+} widen_job;
+
+static void widen_item(void *ctx, int64_t item) {
+    const widen_job *j = (const widen_job *)ctx;
+    const int64_t r0 = item * ROWS_PER_ITEM, r1 = r0 + ROWS_PER_ITEM < j->T ? r0 + ROWS_PER_ITEM : j->T;
+    const uint16_t *x = j->x + r0 * j->N;
+    float *y = j->y + r0 * j->N;
+    const int64_t n = (r1 - r0) * j->N;
+    for (int64_t i = 0; i < n; i++) y[i] = bf16f(x[i]); /* exact: the bits shifted into place */
+}
+
+/* y (T, N) float32 = x (T, N) bf16 */
+int bf16_to_f32(const uint16_t *x, float *y, int64_t T, int64_t N) {
+    if (T < 0 || N < 0) return 1;
+    widen_job j = {x, y, T, N};
+    run_rows(widen_item, &j, T, T * N);
+    return 0;
+}
+
+/* the first index of the largest value of x[0..n), a NaN counting as the largest (the first NaN
+ * wins), as torch.argmax picks */
+static int64_t argmax_row(const float *x, int64_t n) {
+    int64_t i = 0, best_i = 0;
+    float best = x[0];
+#if EW_AVX512
+    if (n >= 16) {
+        __m512 bv = _mm512_loadu_ps(x);
+        __m512i bi = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = bi;
+        __mmask16 nan = _mm512_cmp_ps_mask(bv, bv, _CMP_UNORD_Q);
+        for (i = 16; i + 16 <= n && !nan; i += 16) {
+            idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+            const __m512 v = _mm512_loadu_ps(x + i);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, bv, _CMP_GT_OQ); /* strictly: a lane keeps its first */
+            bv = _mm512_mask_mov_ps(bv, gt, v);
+            bi = _mm512_mask_mov_epi32(bi, gt, idx);
+            nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        }
+        if (nan) { /* torch's answer is the first NaN: find it in order */
+            for (int64_t t = 0; t < n; t++)
+                if (x[t] != x[t]) return t;
+        }
+        best = _mm512_reduce_max_ps(bv);
+        const __mmask16 at = _mm512_cmp_ps_mask(bv, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        best_i = _mm512_mask_reduce_min_epi32(at, bi); /* of the lanes holding it, the earliest index */
+    }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > best) {
+            best = x[i];
+            best_i = i;
+        }
+    }
+    return best_i;
+}
+
+typedef struct {
+    const float *x;
+    int64_t *out;
+    int64_t T, N;
+} argmax_job;
+
+static void argmax_item(void *ctx, int64_t item) {
+    const argmax_job *j = (const argmax_job *)ctx;
+    const int64_t r0 = item * ROWS_PER_ITEM, r1 = r0 + ROWS_PER_ITEM < j->T ? r0 + ROWS_PER_ITEM : j->T;
+    for (int64_t r = r0; r < r1; r++) j->out[r] = argmax_row(j->x + r * j->N, j->N);
+}
+
+/* out (T,) int64 = argmax of each row of x (T, N) float32, N >= 1 */
+int argmax_rows(const float *x, int64_t *out, int64_t T, int64_t N) {
+    if (T < 0 || N < 1) return 1;
+    argmax_job j = {x, out, T, N};
+    run_rows(argmax_item, &j, T, T * N);
+    return 0;
+}
