@@ -57,11 +57,18 @@ def test_touched_memory_is_on_huge_pages():
 
 
 @needs_thp
-def test_engine_weights_are_one_mapping_in_reading_order(llm_fp32):
-    model = llm_fp32.engine.executor.model
-    assert "on huge pages" in llm_fp32.engine.linear_summary["huge_pages"]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_weights_are_one_mapping_in_reading_order(llm_fp32, dtype):
+    from phaselab import LLM
+
+    llm = llm_fp32 if dtype == "float32" else LLM(dtype=dtype, kv_cache_memory="64MiB", max_model_len=512)
+    model = llm.engine.executor.model
+    assert "on huge pages" in llm.engine.linear_summary["huge_pages"]
     modules = [m for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding))]
     spans = sorted({(m.packed.data.data_ptr(), m.packed.data.numel() * m.packed.data.element_size()) for m in modules})
+    dense = [m.direct.data_ptr() for m in modules if getattr(m, "direct", None) is not None
+             and m.direct.data_ptr() != m.packed.data.data_ptr()]
+    assert all(d > spans[-1][0] for d in dense), "a GEMM's dense copy sits between the blocks decode streams"
     layers = [(x.packed.data.data_ptr()) for layer in model.model.layers for x in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     assert layers == sorted(layers), "layer weights not in the order a step reads them"
@@ -69,4 +76,4 @@ def test_engine_weights_are_one_mapping_in_reading_order(llm_fp32):
     # end to end: no gap wider than the 64-byte alignment between consecutive weights
     for (a, n), (b, _) in zip(spans, spans[1:]):
         assert 0 <= b - (a + n) < 64
-    assert llm_fp32.engine.executor.kv_caches.data_ptr() % hugepages.HUGE == 0
+    assert llm.engine.executor.kv_caches.data_ptr() % hugepages.HUGE == 0

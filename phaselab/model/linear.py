@@ -291,10 +291,10 @@ def _onto_huge_pages(model: nn.Module) -> str:
     modules += [head] if isinstance(head, PackedLinear) else []
     modules += [m for m in model.modules() if isinstance(m, PackedEmbedding)]
     tensors: dict[int, torch.Tensor] = {}
-    for m in modules:
-        for t in (m.packed.data, getattr(m, "direct", None)):
-            if t is not None and t.is_contiguous():
-                tensors.setdefault(t.data_ptr(), t)
+    # the packed blocks first (what decode streams), then the dense copies the GEMM reads
+    for t in [m.packed.data for m in modules] + [getattr(m, "direct", None) for m in modules]:
+        if t is not None and t.is_contiguous():
+            tensors.setdefault(t.data_ptr(), t)
     moved = dict(zip(tensors, hugepages.pack(list(tensors.values()))))
     for m in modules:
         if m.packed.data.data_ptr() in moved:
