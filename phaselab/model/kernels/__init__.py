@@ -45,7 +45,7 @@ _SOURCE = Path(__file__).with_name("paged_decode.c")
 PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOURCE's library
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")  # likewise
 DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
-SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the three: part of the build key
+SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the kernel sources (not pool.c): part of their build keys
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}

@@ -23,6 +23,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "simd.h" /* pl_buf */
+
 typedef int (*qlinear_fn)(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M,
                           float *scratch, const float *bias, void *y, int y_bf16, int use_dp);
 static qlinear_fn g_qlinear = NULL;
@@ -85,18 +87,7 @@ typedef struct {
     const void *norm_post;
 } dl_layer;
 
-static _Thread_local char *tl_buf = NULL;
-static _Thread_local size_t tl_len = 0;
-
-static char *buffer(size_t n) {
-    if (n > tl_len) {
-        char *b = realloc(tl_buf, n);
-        if (!b) return NULL;
-        tl_buf = b;
-        tl_len = n;
-    }
-    return tl_buf;
-}
+static _Thread_local pl_buf tl_buf;
 
 static inline int norm(int bf16, const void *x, void *res, const void *w, void *out, int64_t M, int64_t N, float eps) {
     return bf16 ? add_rms_norm((const uint16_t *)x, (uint16_t *)res, (const uint16_t *)w, (uint16_t *)out, M, N, eps)
@@ -125,7 +116,7 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
     /* qlinear's scratch (qlinear_scratch_floats): the widest need is Q4_1L with bf16 rows, or on
      * AMX Q4_1X's reordered rows beside B tiles of up to 15 padding rows (M K / 2 + (M + 15) K / 2 + 16) */
     const size_t sscr = (size_t)(2 * M * deepest + M * (deepest / 32) + 8 * deepest + 16) * sizeof(float);
-    char *buf = buffer(2 * sx + sbig + smid + sscr + 64);
+    char *buf = pl_grow(&tl_buf, 2 * sx + sbig + smid + sscr + 64);
     if (!buf) return 2;
     void *x = buf, *a = buf + sx, *big = buf + 2 * sx, *mid = buf + 2 * sx + sbig;
     float *scratch = (float *)(((uintptr_t)(buf + 2 * sx + sbig + smid) + 63) & ~(uintptr_t)63);

@@ -12,11 +12,13 @@
  *   lens     (B,)                          int64, tokens to attend to (the new one included)
  *   out      (B, H, D)                     float32
  * Query head h attends with KV head h / (H / KVH), as Hugging Face's repeat_kv pairs them.
- * Scores, softmax and the weighted sum are computed in float32 whatever the cache dtype.
+ * Scores are summed in float32 (on AVX512-BF16 from exact bf16 products), softmax and the weighted
+ * sum computed in float32, whatever the cache dtype.
  *
- * Work is split over (request, KV head) pairs, run by phaselab's thread pool (pool.c, set with
- * paged_decode_set_pool) or, without it, by the process's OpenMP runtime (the one torch loaded:
- * same SONAME); the thread count is OpenMP's either way.
+ * Work is split over (request, 128-token part, KV head or all of them) items (see PART below), run
+ * by phaselab's thread pool (pool.c, set with paged_decode_set_pool) or, without it, by the
+ * process's OpenMP runtime (the one torch loaded: same SONAME); the thread count is OpenMP's
+ * either way.
  * Built by phaselab/model/kernels/__init__.py (-O3 -march=native -ffast-math -fopenmp).
  * Returns 0 on success, 1 for unsupported shapes, 2 when scratch memory cannot be allocated.
  */
@@ -285,19 +287,7 @@ typedef struct {
     atomic_int failed;
 } pd_job;
 
-/* each thread's scratch, grown on demand and kept (no allocation per call once warm) */
-static _Thread_local float *tl_buf = NULL;
-static _Thread_local size_t tl_len = 0;
-
-static float *scratch(size_t n) {
-    if (n > tl_len) {
-        float *b = realloc(tl_buf, n * sizeof(float));
-        if (!b) return NULL;
-        tl_buf = b;
-        tl_len = n;
-    }
-    return tl_buf;
-}
+static _Thread_local pl_buf tl_scratch; /* the thread running a part: its scores and sums */
 
 /* out (Q, D) of one (request, KV head group) from its np parts, Q = nh * G query heads, in part
  * order: out = sum_p e^(m_p - M) acc_p / sum_p e^(m_p - M) l_p with M the largest m_p */
@@ -333,7 +323,7 @@ static void pd_item(void *ctx, int64_t item) {
     const int64_t groups = j->KVH / nh, b = bg / groups, h0 = (bg % groups) * nh, len = j->lens[b], t0 = p * PART;
     if (t0 >= len) return; /* a shorter request than the longest: no such part */
     const int64_t t1 = len - t0 < PART ? len : t0 + PART, np = (len + PART - 1) / PART;
-    float *buf = scratch((size_t)(G * PART + G * D));
+    float *buf = pl_grow(&tl_scratch, sizeof(float) * (size_t)(G * PART + G * D));
     if (!buf) {
         atomic_store(&j->failed, 1);
         return;
@@ -352,20 +342,9 @@ static void pd_item(void *ctx, int64_t item) {
         merge_parts(j, bg * j->parts, np, j->out + (b * j->H + h0 * G) * D);
 }
 
-/* the caller's per-call buffers (partial results, counters, bf16 q), grown on demand; workers
- * write into them, so they belong to the calling thread, not to whichever thread runs a part */
-static _Thread_local char *tl_call = NULL;
-static _Thread_local size_t tl_call_len = 0;
-
-static char *call_buffer(size_t n) {
-    if (n > tl_call_len) {
-        char *b = realloc(tl_call, n);
-        if (!b) return NULL;
-        tl_call = b;
-        tl_call_len = n;
-    }
-    return tl_call;
-}
+/* the caller's per-call buffers (partial results, counters, bf16 q); workers write into them, so
+ * they belong to the calling thread, not to whichever thread runs a part */
+static _Thread_local pl_buf tl_call;
 
 int paged_decode(const float *q, const void *k, const void *v, int bf16, const int64_t *tables,
                  int64_t max_blocks, const int64_t *lens, float *out, int64_t B, int64_t H, int64_t KVH,
@@ -385,7 +364,7 @@ int paged_decode(const float *q, const void *k, const void *v, int bf16, const i
     const int64_t parts = (max_len + PART - 1) / PART, items = B * (KVH / nh) * parts;
     const size_t n_acc = (size_t)(items * nh * G * D), n_ml = (size_t)(items * nh * G * 2);
     const size_t n_done = (size_t)(B * (KVH / nh)), n_qb = (size_t)(B * H * D);
-    char *raw = call_buffer(sizeof(float) * (n_acc + n_ml) + sizeof(atomic_int) * n_done + 2 * n_qb + 128);
+    char *raw = pl_grow(&tl_call, sizeof(float) * (n_acc + n_ml) + sizeof(atomic_int) * n_done + 2 * n_qb + 128);
     if (!raw) return 2;
     char *buf = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63); /* parts' sums on whole cache lines */
     pd_job j = {q, NULL, k, v, bf16, tables, max_blocks, lens, out, H, KVH, D, BS, G, nh, parts, scale,
@@ -447,18 +426,7 @@ static void rope_row(const uint16_t *x, const uint16_t *c, const uint16_t *s, in
     }
 }
 
-static _Thread_local float *tl_io = NULL; /* the caller's float32 q (and bf16's output), grown on demand */
-static _Thread_local size_t tl_io_len = 0;
-
-static float *io_buffer(size_t n) {
-    if (n > tl_io_len) {
-        float *b = realloc(tl_io, n * sizeof(float));
-        if (!b) return NULL;
-        tl_io = b;
-        tl_io_len = n;
-    }
-    return tl_io;
-}
+static _Thread_local pl_buf tl_io; /* the caller's float32 q (and bf16's output) */
 
 /* what both fused calls accept: GQA groups, an even head size within MAX_HEAD_DIM, whole qkv rows */
 static int fused_shape_ok(int64_t stride, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS) {
@@ -471,7 +439,7 @@ int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos,
                        const int64_t *lens, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                        float scale) {
     if (!fused_shape_ok(stride, B, H, KVH, D, BS)) return 1;
-    float *qf = io_buffer((size_t)(2 * B * H * D));
+    float *qf = pl_grow(&tl_io, sizeof(float) * (size_t)(2 * B * H * D));
     if (!qf) return 2;
     float *of = qf + B * H * D;
     for (int64_t b = 0; b < B; b++) {
@@ -508,7 +476,7 @@ int decode_rope_attend_f32(const float *qkv, int64_t stride, const float *cos, c
                            const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *lens,
                            float *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale) {
     if (!fused_shape_ok(stride, B, H, KVH, D, BS)) return 1;
-    float *qf = io_buffer((size_t)(B * H * D)); /* the output goes straight to `out` */
+    float *qf = pl_grow(&tl_io, sizeof(float) * (size_t)(B * H * D)); /* the output goes straight to `out` */
     if (!qf) return 2;
     for (int64_t b = 0; b < B; b++) {
         const float *row = qkv + b * stride, *c = cos + b * D, *sn = sin + b * D;

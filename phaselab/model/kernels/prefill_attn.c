@@ -431,8 +431,7 @@ static void amx_item(void *ctx, int64_t item) {
 }
 #endif /* PA_AMX */
 
-static _Thread_local uint32_t *tl_pack = NULL; /* the calling thread's packed K/V, grown on demand */
-static _Thread_local size_t tl_pack_len = 0;
+static _Thread_local pl_buf tl_pack; /* the calling thread's packed K/V */
 
 int prefill_attend(const uint16_t *q, int64_t q_stride, const uint16_t *kc, const uint16_t *vc, const int64_t *table,
                    int64_t table_len, uint16_t *out, int64_t start, int64_t n, int64_t H, int64_t KVH, int64_t D,
@@ -461,13 +460,9 @@ int prefill_attend(const uint16_t *q, int64_t q_stride, const uint16_t *kc, cons
     }
     const int64_t L = start + n, Lp = (L + KBLK - 1) / KBLK * KBLK;
     const size_t need = (size_t)(2 * KVH * Lp * (D / 2));
-    if (need > tl_pack_len) {
-        uint32_t *b = realloc(tl_pack, need * sizeof(uint32_t));
-        if (!b) return 2;
-        tl_pack = b;
-        tl_pack_len = need;
-    }
-    pa_job j = {q, kc, vc, table, out, tl_pack, tl_pack + KVH * Lp * (D / 2), q_stride, start, n, L, Lp, H, KVH,
+    uint32_t *pack = pl_grow(&tl_pack, need * sizeof(uint32_t));
+    if (!pack) return 2;
+    pa_job j = {q, kc, vc, table, out, pack, pack + KVH * Lp * (D / 2), q_stride, start, n, L, Lp, H, KVH,
                 H / KVH, D, BS, (n + ROWS - 1) / ROWS, scale * LOG2E, tile};
     run(pack_item, &j, KVH * (Lp / KBLK));
 #if PA_AMX

@@ -1,11 +1,13 @@
-/* Helpers shared by the native kernels (paged_decode.c, prefill_attn.c, elementwise.c, linked into
- * one library, and qlinear.c, its own): bf16 <-> float32 as torch converts, the thread-pool hook's
- * types, and, where AVX-512 or AVX2 is compiled, a vector exp and horizontal reductions.
+/* Helpers shared by the native kernels (paged_decode.c, prefill_attn.c, elementwise.c and
+ * decode_layers.c, linked into one library, and qlinear.c, its own): bf16 <-> float32 as torch
+ * converts, buffers grown on demand, the thread-pool hook's types, and, where AVX-512 or AVX2 is
+ * compiled, a vector exp and horizontal reductions.
  * Header-only: everything is static. */
 #ifndef PHASELAB_SIMD_H
 #define PHASELAB_SIMD_H
 
 #include <stdint.h>
+#include <stdlib.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -20,6 +22,23 @@
 #else
 #define PL_AVX2 0
 #endif
+
+/* A buffer grown on demand and kept (no allocation per call once warm); declared
+ * `static _Thread_local pl_buf name;` so each thread has its own. NULL when out of memory. */
+typedef struct {
+    void *p;
+    size_t n; /* bytes */
+} pl_buf;
+
+static inline void *pl_grow(pl_buf *b, size_t bytes) {
+    if (bytes > b->n) {
+        void *q = realloc(b->p, bytes);
+        if (!q) return NULL;
+        b->p = q;
+        b->n = bytes;
+    }
+    return b->p;
+}
 
 /* pool.c's phaselab_pool_run(fn, ctx, n) calls fn(ctx, i) for i in [0, n) on its workers */
 typedef void (*chunk_fn)(void *ctx, int64_t chunk);
