@@ -105,47 +105,52 @@ static inline void part_rows(const int64_t *table, int64_t t0, int64_t t1, int64
     }
 }
 
-/* The portable part: float32 loops the compiler vectorizes, any head size, either cache dtype.
- * q (G, D) unscaled; scores (G, PART); qg (G, D) and acc (G, D) scratch; ml (G, 2) out. */
+/* The portable part: float32 loops the compiler vectorizes, any head size, either cache dtype,
+ * for the G query heads of each of nh consecutive KV heads at once (query head j reads KV head
+ * j / G: a token's K and V rows of all nh heads are one contiguous read). q (nh G, D) unscaled;
+ * scores (nh G, PART); qg and acc (nh G, D) scratch; ml (nh G, 2) out. */
 static inline __attribute__((always_inline)) void part_loops(
-    const float *q, const void *k, const void *v, int bf16, const int64_t *rows, int64_t n, int64_t G, int64_t D,
-    float scale, float *scores, float *qg, float *acc, float *ml) {
-    for (int64_t j = 0; j < G * D; j++) qg[j] = q[j] * scale;
+    const float *q, const void *k, const void *v, int bf16, const int64_t *rows, int64_t n, int64_t G, int64_t nh,
+    int64_t D, float scale, float *scores, float *qg, float *acc, float *ml) {
+    const int64_t Q = nh * G;
+    for (int64_t j = 0; j < Q * D; j++) qg[j] = q[j] * scale;
     for (int64_t i = 0; i < n; i++) { /* scores[j][i] = q_j . k_i */
         const int64_t row = rows[i]; /* a local: indexed through rows[i], the loop stayed scalar */
-        for (int64_t j = 0; j < G; j++) {
+        for (int64_t j = 0; j < Q; j++) {
             const float *qq = qg + j * D;
+            const int64_t kk = row + (j / G) * D;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; d++) s += qq[d] * cached(k, bf16, row + d);
+            for (int64_t d = 0; d < D; d++) s += qq[d] * cached(k, bf16, kk + d);
             scores[j * PART + i] = s;
         }
     }
-    for (int64_t j = 0; j < G; j++) ml[2 * j + 1] = exp_row(scores + j * PART, n, ml + 2 * j);
+    for (int64_t j = 0; j < Q; j++) ml[2 * j + 1] = exp_row(scores + j * PART, n, ml + 2 * j);
     /* acc_j = sum_i p_j[i] v_i, summed in this thread's scratch (qg is free now): `acc` is in the
      * caller's buffer beside other threads' parts, where a store per token would share cache lines */
     float *sum = qg;
-    memset(sum, 0, sizeof(float) * (size_t)(G * D));
+    memset(sum, 0, sizeof(float) * (size_t)(Q * D));
     for (int64_t i = 0; i < n; i++) {
         const int64_t row = rows[i];
-        for (int64_t j = 0; j < G; j++) {
+        for (int64_t j = 0; j < Q; j++) {
             const float p = scores[j * PART + i];
+            const int64_t vv = row + (j / G) * D;
             float *a = sum + j * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; d++) a[d] += p * cached(v, bf16, row + d);
+            for (int64_t d = 0; d < D; d++) a[d] += p * cached(v, bf16, vv + d);
         }
     }
-    memcpy(acc, sum, sizeof(float) * (size_t)(G * D));
+    memcpy(acc, sum, sizeof(float) * (size_t)(Q * D));
 }
 
 #define PART_ARGS                                                                                         \
     const float *q, const uint16_t *qb, const void *k, const void *v, int bf16, const int64_t *rows, int64_t n, \
-        int64_t G, int64_t D, float scale, float *scores, float *qg, float *acc, float *ml
+        int64_t G, int64_t nh, int64_t D, float scale, float *scores, float *qg, float *acc, float *ml
 typedef void (*part_fn)(PART_ARGS);
 
 /* the common head sizes get their own copy, with D a constant the compiler unrolls, and so does
  * the cache dtype (`bf16` a literal: one loop per dtype, no branch in it) */
-#define LOOPS_CALL(BF16, DIM) part_loops(q, k, v, BF16, rows, n, G, DIM, scale, scores, qg, acc, ml)
+#define LOOPS_CALL(BF16, DIM) part_loops(q, k, v, BF16, rows, n, G, nh, DIM, scale, scores, qg, acc, ml)
 static void loops_d64(PART_ARGS) {
     (void)D, (void)qb;
     if (bf16) LOOPS_CALL(1, 64); else LOOPS_CALL(0, 64);
@@ -244,13 +249,18 @@ static inline __attribute__((always_inline)) void part_dp(const uint16_t *qb, co
     }
 }
 
+/* the nh KV heads one after another over the same rows (the later ones' rows then come from L2) */
+#define DP_CALL(DIM)                                                                                     \
+    for (int64_t h = 0; h < nh; h++)                                                                      \
+    part_dp(qb + h * G * DIM, (const uint16_t *)k + h * DIM, (const uint16_t *)v + h * DIM, rows, n, G, DIM, \
+            scale, scores, acc + h * G * DIM, ml + h * G * 2)
 static void dp_d64(PART_ARGS) {
     (void)q, (void)bf16, (void)D, (void)qg;
-    part_dp(qb, (const uint16_t *)k, (const uint16_t *)v, rows, n, G, 64, scale, scores, acc, ml);
+    DP_CALL(64);
 }
 static void dp_d128(PART_ARGS) {
     (void)q, (void)bf16, (void)D, (void)qg;
-    part_dp(qb, (const uint16_t *)k, (const uint16_t *)v, rows, n, G, 128, scale, scores, acc, ml);
+    DP_CALL(128);
 }
 #else
 #define PD_DPBF16 0
@@ -312,31 +322,26 @@ static void merge_parts(const pd_job *j, int64_t first, int64_t np, float *out) 
     }
 }
 
-/* One item: part p of request b against KV heads [h0, h0 + nh). Its heads one after another, over
- * the same cached rows: with nh = KVH a part's K and V rows (all heads of a token, contiguous) come
- * from memory once, the later heads from L2. How heads are grouped into items does not change a
- * bit of the result (each head's parts are computed and merged the same way): only the part
- * boundaries could, and they are fixed. */
+/* One item: part p of request b against KV heads [h0, h0 + nh), over the same cached rows: with
+ * nh = KVH a part's K and V rows (all heads of a token, contiguous) come from memory once. How
+ * heads are grouped into items does not change a bit of the result (each head's parts are computed
+ * and merged the same way): only the part boundaries could, and they are fixed. */
 static void pd_item(void *ctx, int64_t item) {
     pd_job *j = (pd_job *)ctx;
     const int64_t G = j->G, D = j->D, nh = j->nh, Q = nh * G, bg = item / j->parts, p = item % j->parts;
     const int64_t groups = j->KVH / nh, b = bg / groups, h0 = (bg % groups) * nh, len = j->lens[b], t0 = p * PART;
     if (t0 >= len) return; /* a shorter request than the longest: no such part */
     const int64_t t1 = len - t0 < PART ? len : t0 + PART, np = (len + PART - 1) / PART;
-    float *buf = pl_grow(&tl_scratch, sizeof(float) * (size_t)(G * PART + G * D));
+    float *buf = pl_grow(&tl_scratch, sizeof(float) * (size_t)(Q * PART + Q * D));
     if (!buf) {
         atomic_store(&j->failed, 1);
         return;
     }
     int64_t rows[PART];
     part_rows(j->tables + b * j->max_blocks, t0, t1, h0, j->KVH, D, j->BS, rows);
-    const size_t el = j->bf16 ? 2 : 4;
-    for (int64_t hh = 0; hh < nh; hh++) {
-        const int64_t qoff = (b * j->H + (h0 + hh) * G) * D;
-        const char *k = (const char *)j->k + (size_t)(hh * D) * el, *v = (const char *)j->v + (size_t)(hh * D) * el;
-        j->part(j->q + qoff, j->qb ? j->qb + qoff : NULL, k, v, j->bf16, rows, t1 - t0, G, D, j->scale, buf,
-                buf + G * PART, j->part_acc + (item * Q + hh * G) * D, j->part_ml + (item * Q + hh * G) * 2);
-    }
+    const int64_t qoff = (b * j->H + h0 * G) * D; /* query heads h0 G .. (h0 + nh) G, contiguous */
+    j->part(j->q + qoff, j->qb ? j->qb + qoff : NULL, j->k, j->v, j->bf16, rows, t1 - t0, G, nh, D, j->scale, buf,
+            buf + Q * PART, j->part_acc + item * Q * D, j->part_ml + item * Q * 2);
     /* the last part of this (request, head group) to finish merges them all (acq_rel: it sees theirs) */
     if (np == 1 || atomic_fetch_add_explicit(&j->done[bg], 1, memory_order_acq_rel) == np - 1)
         merge_parts(j, bg * j->parts, np, j->out + (b * j->H + h0 * G) * D);
