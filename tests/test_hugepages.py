@@ -40,7 +40,8 @@ def test_turned_off_gives_torch_memory(monkeypatch):
     before = hugepages.huge_bytes()
     t = hugepages.empty_bytes(8 << 20)
     t.fill_(1)
-    assert hugepages.huge_bytes() <= before + (2 << 20)  # torch's allocation: no madvise
+    if hugepages.mode() != "always":  # with THP "always" even torch's own memory may get huge pages
+        assert hugepages.huge_bytes() <= before + (2 << 20)  # torch's allocation: no madvise
     assert int(t.sum()) == 8 << 20
 
 

@@ -51,11 +51,15 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
         return torch.zeros(max(nbytes, 0), dtype=torch.uint8)
     size = -(-nbytes // HUGE) * HUGE  # whole huge pages: the tail would fall back to small ones
     try:
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        # one huge page more, to start on a 2 MiB boundary where the kernel does not align large
+        # anonymous mappings itself (before Linux 6.7)
+        m = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         m.madvise(mmap.MADV_HUGEPAGE)
     except (OSError, ValueError):
         return torch.zeros(nbytes, dtype=torch.uint8)
-    return torch.frombuffer(m, dtype=torch.uint8)[:nbytes]
+    whole = torch.frombuffer(m, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE
+    return whole[start:start + nbytes]
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
