@@ -35,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from phaselab.model import kernels  # noqa: E402
+from phaselab.model.kernels import build  # noqa: E402
 
 H, KVH, D, BS = 9, 3, 64, 16
 
@@ -47,7 +48,7 @@ def build_compare(source: Path) -> ctypes.CDLL:
     """`source` compiled alone with the kernels' flags, its pool hook set to phaselab's pool."""
     out = Path(tempfile.mkdtemp()) / "compare.so"
     include = Path(kernels.__file__).with_name("simd.h").parent
-    subprocess.run([kernels._compiler() or "cc", *kernels._flags(), f"-I{include}", "-o", str(out), str(source), "-lm"],
+    subprocess.run([build.compiler() or "cc", *build.flags(), f"-I{include}", "-o", str(out), str(source), "-lm"],
                    check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(str(out))
     lib.paged_decode.restype = ctypes.c_int

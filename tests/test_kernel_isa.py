@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from phaselab.model import kernels
-from phaselab.model.kernels import qlinear
+from phaselab.model.kernels import build, qlinear
 
 ROOT = Path(__file__).resolve().parent.parent
 KERNEL_TESTS = ["tests/test_qlinear.py", "tests/test_kernels.py", "tests/test_elementwise.py",
@@ -26,7 +26,7 @@ KERNEL_TESTS = ["tests/test_qlinear.py", "tests/test_kernels.py", "tests/test_el
 
 
 def _cpu_has(*flags: str) -> bool:
-    have = set(kernels._cpu_flags().split())
+    have = set(build.cpu_flags().split())
     return all(f in have for f in flags)
 
 

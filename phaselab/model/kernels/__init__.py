@@ -18,10 +18,8 @@ the library links the OpenMP runtime torch already loaded (`libgomp.so.1`, same 
 thread count is torch's (`omp_get_max_threads()`, which `torch.set_num_threads` sets) whether the
 pool or OpenMP's team runs the work.
 
-The build is cached under `$PHASELAB_CACHE_DIR` (default `~/.cache/phaselab`) in `kernels/`,
-keyed by the source's hash, the compiler and the CPU's flags; concurrent processes (disaggregated
-workers) race safely: each compiles to a private temp file, then renames it into place.
-`PHASELAB_KERNELS=0` turns the native path off (torch fallback everywhere). When no compiler is
+The build (build.py) is cached under `$PHASELAB_CACHE_DIR/kernels`, keyed by the sources, the
+compiler, the flags and the CPU's features. `PHASELAB_KERNELS=0` turns the native path off (torch fallback everywhere). When no compiler is
 found or the build fails, the fallback is used and the reason is kept in `unavailable_reason()`
 (logged once at warning level).
 """
@@ -29,15 +27,16 @@ found or the build fails, the fallback is used and the reason is kept in `unavai
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from phaselab.model.kernels.build import ISA_ENV, ISA_FLAGS, build_key, cache_dir, kernel_isa
+from phaselab.model.kernels.build import build as _build
+from phaselab.model.kernels.build import compiler as _compiler
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +45,8 @@ PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOUR
 ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")  # likewise
 DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
 SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the kernel sources (not pool.c): part of their build keys
+# one library: the attention, elementwise and layers sources (the header for the build key only)
+LIBRARY_SOURCES = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, DECODE_LAYERS_SOURCE, SIMD_HEADER)
 PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}
@@ -56,17 +57,6 @@ POOL_SOURCE = Path(__file__).with_name("pool.c")
 POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
 SPIN_ENV = "PHASELAB_POOL_SPIN_US"
 DEFAULT_SPIN_US = 200
-# The parts of -ffast-math that let the compiler vectorize the reductions, spelled out: -ffast-math
-# itself (like -Ofast and -funsafe-math-optimizations) makes gcc link crtfastmath.o into the shared
-# object, whose constructor sets flush-to-zero / denormals-are-zero for the WHOLE process on load,
-# changing torch's and numpy's arithmetic too (tests/test_kernels.py checks that loading keeps them).
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-          "-fassociative-math", "-freciprocal-math", "-fopenmp", "-shared", "-fPIC", "-mprefer-vector-width=512"]
-# PHASELAB_KERNEL_ISA: "native" (default) builds for this CPU's best instruction set; "avx2" and
-# "portable" leave out AVX-512 (and, for portable, AVX2/FMA/F16C too) so that tests and benchmarks
-# run the lower paths of every kernel on any CPU that has them
-ISA_ENV = "PHASELAB_KERNEL_ISA"
-ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
 _ABI = 11
 _POOL_ABI = 1
 
@@ -76,70 +66,6 @@ _reason: str | None = None
 _pool: ctypes.CDLL | None = None
 _pool_tried = False
 _pool_reason: str | None = None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PHASELAB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "phaselab")
-    return Path(root) / "kernels"
-
-
-def _compiler() -> str | None:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    return None
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def kernel_isa() -> str:
-    """The instruction-set level the kernels are built for (ISA_ENV; "native" unless forced)."""
-    isa = os.environ.get(ISA_ENV, "native")
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {', '.join(ISA_FLAGS)}")
-    return isa
-
-
-def _flags() -> list[str]:
-    return [*_FLAGS, *ISA_FLAGS[kernel_isa()]]
-
-
-def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
-    """Hash of what decides a build: the sources, the compiler, the flags and the CPU's features."""
-    src = b"".join(p.read_bytes() for p in (source if isinstance(source, tuple) else (source,)))
-    return hashlib.sha256(src + cc.encode() + " ".join(_flags()).encode() + _cpu_flags().encode()).hexdigest()[:16]
-
-
-def _build(cc: str, source: Path | tuple[Path, ...] = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, DECODE_LAYERS_SOURCE,
-                                                        SIMD_HEADER)) -> Path:
-    """Compile `source` (one file, or several linked into one library; headers listed for the
-    build key only) once per build key."""
-    sources = tuple(p for p in (source if isinstance(source, tuple) else (source,)) if p.suffix == ".c")
-    out = cache_dir() / f"{sources[0].stem}-{build_key(source, cc)}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([cc, *_flags(), "-o", tmp, *map(str, sources), "-lm"], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            names = " ".join(p.name for p in sources)
-            raise RuntimeError(f"{cc} failed on {names}: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # atomic: a concurrent build of the same key yields the same file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 def _load() -> ctypes.CDLL | None:
@@ -155,7 +81,7 @@ def _load() -> ctypes.CDLL | None:
         _reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
     else:
         try:
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(cc, LIBRARY_SOURCES)))
             if lib.phaselab_kernel_abi() != _ABI:
                 raise RuntimeError("stale kernel library (ABI mismatch); delete " + str(cache_dir()))
             f = lib.paged_decode
