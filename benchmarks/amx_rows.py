@@ -19,7 +19,6 @@ times dot and torch only.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, write_json  # noqa: E402
 
 SHAPES = {"qkv": ("Q4_1X", 960, 576), "o": ("Q4_1X", 576, 576), "gate_up": ("Q4_1X", 3072, 576),
           "down": ("Q4_1X", 576, 1536), "head": ("Q8_0", 49152, 576)}
@@ -99,9 +98,7 @@ def main() -> int:
     out = {"benchmark": "amx_rows", "cpu": cpu_model(), "features": feats, "threads": ns.threads,
            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_avg": os.getloadavg(), "unit": "us per call",
            "cases": cases}
-    os.makedirs(os.path.dirname(ns.out), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(ns.out, out)
     log(f"wrote {ns.out}")
     return 0
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from _machine import write_json  # noqa: E402
 
 from phaselab.model import kernels  # noqa: E402
 from phaselab.model.kernels import build  # noqa: E402
@@ -120,9 +121,7 @@ def main() -> None:
         r = measure(b, ctx, args.rounds, compare)
         result["us_per_call"][shape] = r
         log(f"batch {b} x {ctx} tokens: " + ", ".join(f"{k} {v} us" for k, v in r.items()))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     log(f"wrote {args.out}")
 
 

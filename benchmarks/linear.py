@@ -31,7 +31,6 @@ be compared as ratios within one run. Usage: `python benchmarks/linear.py [--qui
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from _machine import write_json  # noqa: E402
 from roofline import bandwidth  # noqa: E402
 
 from phaselab.model.kernels import qlinear  # noqa: E402
@@ -337,9 +337,7 @@ def main() -> None:
         result["batched"] = run_batched(args.configs, args.batches, rounds=2 if args.quick else 4,
                                         steps=6 if args.quick else 10)
     result["load_avg_at_end"] = os.getloadavg()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     log(f"wrote {args.out}")
 
 

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tests._netns import NetnsPair, RayHosts, require_netns  # noqa: E402
 from tests._server_helpers import free_port  # noqa: E402
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, write_json  # noqa: E402
 
 RATE_BITS = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
 
@@ -103,9 +103,7 @@ def main() -> int:
                 print(json.dumps({k: v for k, v in row.items() if k != "qdisc"}), file=sys.stderr, flush=True)
         finally:
             hosts.stop()
-    os.makedirs(os.path.dirname(ns.out), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_json(ns.out, results)
     print(f"wrote {ns.out}", file=sys.stderr)
     return 0
 

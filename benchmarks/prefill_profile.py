@@ -76,7 +76,7 @@ def main() -> int:
         print(json.dumps(child(ns.prompts, ns.len)))
         return 0
     sys.path.insert(0, str(HERE))
-    from _machine import cpu_model
+    from _machine import cpu_model, write_json
 
     best: dict[str, dict] = {}
     rounds: dict[str, list[float]] = {p: [] for p in ns.paths}
@@ -95,9 +95,7 @@ def main() -> int:
                 best[path] = got
     out = {"benchmark": "prefill_profile", "cpu": cpu_model(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
            "load_avg": os.getloadavg(), "prompts": ns.prompts, "len": ns.len, "rounds_s": rounds, "best": best}
-    os.makedirs(os.path.dirname(ns.out), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(ns.out, out)
     log(f"wrote {ns.out}")
     return 0
 

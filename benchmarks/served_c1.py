@@ -31,7 +31,7 @@ import tempfile
 import time
 import urllib.request
 from typing import Any
-from _machine import cpu_model
+from _machine import cpu_model, write_json
 
 
 def log(msg: str) -> None:
@@ -149,9 +149,7 @@ def main() -> None:
             result["runs"].append(r)
             log(f"  {name}: ITL p50 {r['itl']['p50']} ms (bench {r['bench_itl_p50_ms']}), step p50 {r['step']['p50']}, "
                 f"gap p50 {r['gap']['p50']}, sent lag p50 {r['sent_lag']['p50']}, load {r['load_avg_after'][0]}")
-            os.makedirs(os.path.dirname(args.out), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+            write_json(args.out, result)
     log(f"wrote {args.out}")
 
 

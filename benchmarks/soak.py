@@ -52,7 +52,7 @@ import psutil
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tests._server_helpers import ServerProcess  # noqa: E402
-from _machine import cpu_model  # noqa: E402
+from _machine import cpu_model, write_json  # noqa: E402
 
 PROMPTS = ["The three primary colors are", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain why the sky is blue in one sentence.", "Once upon a time"]
@@ -295,9 +295,7 @@ def main() -> int:
     rows = [soak_mode(m, ns) for m in ns.modes]
     out = {"machine": {"cpu_model": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()},
            "config": vars(ns), "modes": rows, "ok": all(r["ok"] for r in rows)}
-    os.makedirs(os.path.dirname(ns.out), exist_ok=True)
-    with open(ns.out, "w") as f:
-        json.dump(out, f, indent=1)
+    write_json(ns.out, out)
     print(f"wrote {ns.out}; {'OK' if out['ok'] else 'FAILED: ' + str([r['checks'] for r in rows])}", file=sys.stderr)
     return 0 if out["ok"] else 1
 

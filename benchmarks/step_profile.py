@@ -23,7 +23,6 @@ with the load average beside each figure. Usage: `python benchmarks/step_profile
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,6 +31,9 @@ from typing import Any
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _machine import write_json  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -174,9 +176,7 @@ def main() -> None:
                 log(f"{cfg} batch {b}: inside layers (ms/step) "
                     + ", ".join(f"{k} {v:.2f}" for k, v in r["layers_ms"].items()))
         del eng
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
     log(f"wrote {args.out}")
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from phaselab.model.kernels.build import ISA_ENV, ISA_FLAGS, build_key, cache_dir, kernel_isa
+from phaselab.model.kernels.build import ISA_ENV, ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
 from phaselab.model.kernels.build import build as _build
 from phaselab.model.kernels.build import compiler as _compiler
 
