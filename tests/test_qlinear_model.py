@@ -6,6 +6,7 @@ torch's matmuls), which other tests hold to Hugging Face transformers.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import gguf
@@ -316,3 +317,41 @@ def test_bundled_q4_1x_matches_dequantized_references(bundled_path, monkeypatch)
     torch_bf16 = (want16 == want32).float().mean().item()
     agree16 = (got == want16).float().mean().item()
     assert agree32 >= torch_bf16 - 0.003 and agree16 >= 0.99, (agree32, torch_bf16, agree16)
+
+
+def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
+    """verify's reruns are built on the linear decision the run recorded, down to the row count up to
+    which the kernel runs and the four-row pass per format: a forced path alone runs no probe and took
+    the default row count (16) where the run's probe had chosen 64, and the rerun's batch-32 steps ran
+    another GEMM (analysis/verify.py). The run here is made with unusual values (5 rows, the four-row
+    pass per format) so that no default can pass for them; the rerun's engine is read back, layer by
+    layer, and the kernel's own per-format setting."""
+    from phaselab.analysis.verify import _recorded_linear_path
+    from phaselab.errors import ConfigError
+    from phaselab.model.linear_probe import NATIVE_ROWS_ENV, ROWS4_ENV, parse_rows4
+
+    gguf_path = _tiny_gguf(tmp_path, tie=False)
+    monkeypatch.setenv(NATIVE_ROWS_ENV, "5")
+    monkeypatch.setenv(ROWS4_ENV, "Q4_0=8,Q8_0=off")
+    run = _engine(gguf_path, dtype="float32", weights="quantized")
+    config = run.run_config()
+    assert config["linear"]["max_native_rows"] == 5 and "PHASELAB_NATIVE_ROWS" in config["linear"]["reason"]
+    assert config["linear"]["rows4_min"] == {"Q4_0": 8, "Q8_0": qlinear.ROWS4_OFF}
+    for var in (NATIVE_ROWS_ENV, ROWS4_ENV):
+        monkeypatch.delenv(var)
+    with _recorded_linear_path(config, {}):
+        rerun = _engine(gguf_path, dtype="float32")
+    layers = [m for m in rerun.executor.model.modules() if isinstance(m, PackedLinear)]
+    assert layers and {m.max_native_rows for m in layers} == {5}
+    assert rerun.linear.path == "q" and qlinear.rows4_min("Q4_0") == 8 and qlinear.rows4_min("Q8_0") == qlinear.ROWS4_OFF
+    assert NATIVE_ROWS_ENV not in os.environ  # the pins end with the rerun's engine
+    # a change of weights or dtype measures again: nothing pinned
+    with _recorded_linear_path(config, {"dtype": "bfloat16"}):
+        assert NATIVE_ROWS_ENV not in os.environ
+    for bad, var in (("-1", NATIVE_ROWS_ENV), ("many", NATIVE_ROWS_ENV), ("Q9_9=4", ROWS4_ENV), ("Q4_0=0", ROWS4_ENV)):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ConfigError, match=var):
+            _engine(gguf_path, dtype="float32", weights="quantized")
+        monkeypatch.delenv(var)
+    assert parse_rows4("off") == {f: qlinear.ROWS4_OFF for f in qlinear.FORMAT_IDS}
+    _engine(gguf_path, dtype="float32")  # the probe's own choice again, for the tests after this one

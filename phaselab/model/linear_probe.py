@@ -21,7 +21,9 @@ copy (`batched` = "resident": more memory, recorded in config.json) when it beat
 BATCHED_ROWS by more than the tie factor, timed over PROBE_BYTES of weights as a step streams them; `--weights quantized` always widens per call ("tile":
 the blocks are all it holds). `max_native_rows` is the largest row count at which the kernel
 still beats the chosen GEMM (counting up from one row; a near-tie does not end the count, a clear loss
-does: `_crossover`). `PHASELAB_BATCHED=tile|resident` forces the choice.
+does: `_crossover`). `PHASELAB_BATCHED=tile|resident` forces the choice, `PHASELAB_NATIVE_ROWS=N` the
+row count (a rerun of a recorded run pins both, and the four-row pass, to what the run used:
+analysis/verify.py).
 
 `--dtype auto` is chosen on what both phases run, in both dtypes: the best linear path's cost
 per weight at one row and at BATCHED_ROWS rows (decode) and the 256-row GEMM rate (prefill); the
@@ -63,7 +65,11 @@ BATCHED_ENV = "PHASELAB_BATCHED"
 TIE = 1.25  # a path within this factor of the fastest counts as tied; the smallest storage wins
 DTYPE_TIE = 1.10
 _PROBE_VERSION = 6
-ROWS4_ENV = "PHASELAB_ROWS4_MIN"  # N: four weight rows at a time from N activation rows, every format; "off": never
+# N: four weight rows at a time from N activation rows, every format; "off": never; or per format,
+# "Q4_0=32,Q8_0=off" (the others keep the kernel's default), as config.json's linear.rows4_min records it
+ROWS4_ENV = "PHASELAB_ROWS4_MIN"
+# N: the native kernel runs up to N activation rows, the GEMM above (0: the GEMM from one row)
+NATIVE_ROWS_ENV = "PHASELAB_NATIVE_ROWS"
 ROWS4_ROWS = (4, 8, 16, 32)  # row counts the four-row pass is timed at against one weight row at a time
 
 
@@ -155,8 +161,31 @@ def _forced_batched() -> str | None:
     return forced or None
 
 
+def _forced_native_rows() -> int | None:
+    forced = os.environ.get(NATIVE_ROWS_ENV)
+    if not forced:
+        return None
+    try:
+        rows = int(forced)
+        if rows < 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{NATIVE_ROWS_ENV}={forced!r} is not a row count; give an integer >= 0 or unset it") from None
+    return rows
+
+
 def decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecision:
-    """The path for a model (see module docstring); `is_gguf`: the checkpoint has GGUF blocks."""
+    """The path for a model (see module docstring); `is_gguf`: the checkpoint has GGUF blocks.
+    NATIVE_ROWS_ENV overrides max_native_rows on whichever native path is chosen."""
+    decision = _decide(weights, act_dtype, is_gguf)
+    rows = _forced_native_rows()
+    if rows is not None and decision.path != "torch":
+        decision.max_native_rows = rows
+        decision.reason += f"; native rows forced by {NATIVE_ROWS_ENV}"
+    return decision
+
+
+def _decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecision:
     if weights not in WEIGHT_OPTIONS:
         raise ConfigError(f"unknown weights option {weights!r}; choose one of {', '.join(WEIGHT_OPTIONS)}")
     cpu = cpu_info()
@@ -201,13 +230,7 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
     (a path forced by ENV_VAR runs no probe)."""
     forced = os.environ.get(ROWS4_ENV)
     if forced:
-        try:
-            rows = qlinear.ROWS4_OFF if forced == "off" else int(forced)
-            if rows < 1:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"{ROWS4_ENV}={forced!r} is not a row count; give an integer >= 1 or 'off'") from None
-        decision.rows4_min = {fmt: rows for fmt in qlinear.FORMAT_IDS}
+        decision.rows4_min = parse_rows4(forced)
     else:
         decision.rows4_min = dict(probe.get("rows4_min") or {})
     if qlinear.available():  # on the torch path too: no earlier engine's setting lingers in the process
@@ -215,6 +238,35 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
         amx = qlinear.amx_min("Q8_0")  # one setting for every format (PHASELAB_AMX=0: AMX_OFF)
         decision.amx_min = amx if qlinear.features()["amx"] and 0 < amx < qlinear.AMX_OFF else 0
     return decision
+
+
+def parse_rows4(text: str) -> dict[str, int]:
+    """ROWS4_ENV's value as {format: rows4_min}: "N" or "off" for every format, or per format
+    "FMT=N|off,..." (rows4_text writes it)."""
+    def rows(value: str) -> int:
+        try:
+            n = qlinear.ROWS4_OFF if value == "off" else int(value)
+            if n < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{ROWS4_ENV}={text!r}: {value!r} is not a row count; give an integer >= 1 or "
+                              "'off', for every format or per format as Q4_0=32,Q8_0=off") from None
+        return n
+    if "=" not in text:
+        return {fmt: rows(text.strip()) for fmt in qlinear.FORMAT_IDS}
+    out = {}
+    for item in text.split(","):
+        fmt, _, value = item.partition("=")
+        fmt = fmt.strip()
+        if fmt not in qlinear.FORMAT_IDS:
+            raise ConfigError(f"{ROWS4_ENV}={text!r}: unknown format {fmt!r}; use one of {', '.join(qlinear.FORMAT_IDS)}")
+        out[fmt] = rows(value.strip())
+    return out
+
+
+def rows4_text(rows4_min: dict[str, int]) -> str:
+    """`rows4_min` as ROWS4_ENV's per-format value (parse_rows4 reads it back)."""
+    return ",".join(f"{f}={'off' if r >= qlinear.ROWS4_OFF else r}" for f, r in rows4_min.items())
 
 
 def _batched_choice(path: str, probe: dict[str, Any]) -> str:
