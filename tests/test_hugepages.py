@@ -3,6 +3,9 @@ mapping for the weights in reading order, and what the kernel actually gave, rea
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,6 +35,24 @@ def test_zeros_is_zero_and_writable():
     assert t.shape == (3, 2, 5) and t.dtype == torch.bfloat16 and t.is_contiguous() and not t.any()
     t[1, 1, 2] = 2.5
     assert float(t.sum()) == 2.5
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("turned_off", [False, True])
+def test_memory_is_resident_when_allocated(monkeypatch, turned_off):
+    """The KV cache's pages are faulted in when it is allocated, as torch.zeros does, not by the
+    forwards that first write them (an engine's first prefill paid for them: hugepages.populate).
+    The truth is the kernel's count of this process's resident memory, before any write of ours."""
+    if turned_off:
+        monkeypatch.setenv(hugepages.ENV, "0")
+    before = _resident_bytes()
+    t = hugepages.zeros((16, 1 << 20), torch.float32)  # 64 MiB
+    grown = _resident_bytes() - before
+    assert grown >= 56 << 20, f"only {grown >> 20} MiB of a 64 MiB cache resident after allocation"
+    assert not t.any()
 
 
 def test_turned_off_gives_torch_memory(monkeypatch):
