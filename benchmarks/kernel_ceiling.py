@@ -58,24 +58,36 @@ def engine_matrices():
     return engine, mats
 
 
-class Calls:
-    """Prepared kernel calls, one per matrix: the C function and its arguments, bound once."""
+def matrix(layer, max_bytes: int | None = None) -> tuple[str, torch.Tensor, int, int]:
+    """(format, bytes, rows, in_features) of a PackedLinear's weight as stored; with `max_bytes`,
+    only its first rows, about that many bytes of them (rows are stored one after another)."""
+    data = layer.packed.data.view(torch.uint8).reshape(-1)
+    n = layer.out_features
+    if max_bytes is not None:
+        row_bytes = data.numel() // n
+        n = min(n, max(16, max_bytes // row_bytes))
+        data = data[: n * row_bytes]
+    return layer.packed.fmt, data, n, layer.in_features
 
-    def __init__(self, mods: list) -> None:
+
+class Calls:
+    """Prepared kernel calls, one per matrix (`matrix`): the C function and its arguments, bound once."""
+
+    def __init__(self, matrices: list[tuple[str, torch.Tensor, int, int]]) -> None:
         from phaselab.model.kernels import qlinear
 
         self.fn = qlinear._lib_or_raise().qlinear
         self.keep, self.args, self.bytes = [], [], 0
         scratch = torch.empty(1 << 20)
-        for m in mods:
-            x = torch.randn(1, m.in_features).bfloat16()
-            y = torch.empty(1, m.out_features, dtype=torch.bfloat16)
-            need = qlinear.scratch_floats(m.packed.fmt, 1, m.in_features, torch.bfloat16)
+        for fmt, data, n, k in matrices:
+            x = torch.randn(1, k).bfloat16()
+            y = torch.empty(1, n, dtype=torch.bfloat16)
+            need = qlinear.scratch_floats(fmt, 1, k, torch.bfloat16)
             assert need <= scratch.numel(), need
             self.keep += [x, y]
-            self.args.append((qlinear.FORMAT_IDS[m.packed.fmt], m.packed.data.data_ptr(), m.out_features,
-                              m.in_features, x.data_ptr(), 1, 1, scratch.data_ptr(), None, y.data_ptr(), 1, 1))
-            self.bytes += m.packed.data.numel() * m.packed.data.element_size()
+            self.args.append((qlinear.FORMAT_IDS[fmt], data.data_ptr(), n, k, x.data_ptr(), 1, 1,
+                              scratch.data_ptr(), None, y.data_ptr(), 1, 1))
+            self.bytes += data.numel()
         self.keep.append(scratch)
 
     def seconds(self, min_s: float = 0.05) -> float:
@@ -93,17 +105,8 @@ class Calls:
                 return best
 
 
-def read_bandwidth() -> float:
-    a = torch.ones(256 * 2**20 // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return a.numel() * 4 / best
-
-
 def main() -> None:
+    from phaselab.engine.ceilings import read_bandwidth
     from phaselab.model.linear_probe import cpu_info
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -115,11 +118,10 @@ def main() -> None:
     engine, mats = engine_matrices()
     layouts = {k: v[0].packed.fmt for k, v in mats.items()}
     # the head resident: its first 1 MB of rows (the whole head is 30 MB); the layers: layer 0's
-    resident = {k: Calls(v[:1]) for k, v in mats.items() if k != "head"}
-    head = mats["head"][0]
-    resident["head"] = Calls([_rows(head, 1 << 20)])
-    step = Calls([m for i in range(len(mats["qkv"])) for m in (mats["qkv"][i], mats["o"][i], mats["gate_up"][i],
-                                                                mats["down"][i])] + mats["head"])
+    resident = {k: Calls([matrix(v[0], 1 << 20 if k == "head" else None)]) for k, v in mats.items()}
+    step = Calls([matrix(m) for i in range(len(mats["qkv"])) for m in (mats["qkv"][i], mats["o"][i],
+                                                                        mats["gate_up"][i], mats["down"][i])]
+                 + [matrix(mats["head"][0])])
     best: dict[str, float] = {}
     for r in range(args.rounds):
         for threads in (1, 2):
@@ -150,19 +152,6 @@ def main() -> None:
         f"{step.bytes / read * 1e3:.2f} ms")
     write_json(args.out, result)
     log(f"wrote {args.out}")
-
-
-def _rows(layer, nbytes: int):
-    """A stand-in for `layer` over its first rows, about `nbytes` of them (same format and layout)."""
-    n = max(16, nbytes // (layer.packed.data.numel() * layer.packed.data.element_size() // layer.out_features))
-    rb = layer.packed.data.numel() * layer.packed.data.element_size() // layer.out_features
-    data = layer.packed.data.view(torch.uint8).reshape(-1)[: n * rb]
-
-    class Part:  # the attributes Calls reads
-        in_features, out_features = layer.in_features, n
-        packed = type("P", (), {"fmt": layer.packed.fmt, "data": data})()
-
-    return Part()
 
 
 if __name__ == "__main__":

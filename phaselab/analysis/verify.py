@@ -94,10 +94,10 @@ def workload(data: Any, seed: int = 0) -> tuple[list[Any], list[str]]:
 def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> Iterator[None]:
     """Build the rerun's engine on the linear path the run recorded (config.json's `linear`: path,
     batched GEMM, native row count, four-row pass), forced by their environment variables, unless
-    the change is about the weights or dtype. Left to `--weights auto`, the rerun would measure again and may choose another path: a
-    run made on a dense checkpoint (the bf16 kernel) was rerun on the Q4_1 kernel, whose per-row cost
-    made a batch of 4 cost 32 ms a step where the run's path took 26 ms, and the prediction, made for
-    the run's path, was judged against another engine. The row count up to which the kernel runs
+    the change is about the weights or dtype. Left to `--weights auto`, the rerun would measure again
+    and may choose another path: a run made on a dense checkpoint (the bf16 kernel) was rerun on the
+    Q4_1 kernel, whose per-row cost made a batch of 4 cost 32 ms a step where the run's path took 26
+    ms, and the prediction, made for the run's path, was judged against another engine. The row count up to which the kernel runs
     (max_native_rows) and the four-row pass are pinned too: a forced path runs no probe and took the
     default row count, 16, where the run's probe had measured 64, so the rerun's batch-32 decode
     steps ran the GEMM on a weight widened per call (138 ms a step against the run's 100), and

@@ -94,6 +94,12 @@ def best_time(fn: Callable[[], Any], trials: int, trial_s: float) -> float:
     return best
 
 
+def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, trials: int = 5, trial_s: float = 0.03) -> float:
+    """Bytes per second torch's sum reads from an `nbytes` float32 array (best of `trials`)."""
+    a = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / best_time(lambda: a.sum(), trials, trial_s)
+
+
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of one layer's linear layers as the model builds them (q/k/v and
     gate/up fused)."""
@@ -124,10 +130,7 @@ def measure_ceilings(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, r
             rates[name][str(m)] = 2 * m * k * n / t
     best_shape, best_rows = max(((s, r) for s in rates for r in rates[s]), key=lambda sr: rates[sr[0]][sr[1]])
     peak = rates[best_shape][best_rows]
-    a = torch.ones(bandwidth_bytes // 4, dtype=torch.float32)
-    read_s = best_time(lambda: a.sum(), trials, trial_s)
-    read = bandwidth_bytes / read_s
-    del a
+    read = read_bandwidth(bandwidth_bytes, trials, trial_s)
     load_after, duration = os.getloadavg(), time.perf_counter() - t_start
     host_name = platform.node()
     where = (f"{ident['cpu_model']} ({', '.join(ident['isa']) or 'no AVX2/AVX-512/AMX flags'}), host {host_name}, "

@@ -25,6 +25,7 @@ import torch
 ENV = "PHASELAB_HUGEPAGES"
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE = 2 << 20  # the x86-64 transparent huge page
+PAGE = 4096  # the small page `populate` touches one byte of
 
 
 def mode() -> str:
@@ -61,8 +62,6 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
     start = -whole.data_ptr() % HUGE
     return populate(whole[start:start + nbytes])
 
-
-PAGE = 4096
 
 
 def populate(t: torch.Tensor) -> torch.Tensor:
