@@ -274,13 +274,18 @@ def linear_section(lin: dict | None, *profs: dict | None) -> list[str]:
             else:
                 how += " (the attention column counts the separate ops only: fused, they fall under model other)."
         out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares." + how,
-                "", "| dtype / path | batch | ms/step | linear | attention | model other | sampling | engine | load |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                " `layers`: the decoder layers in one native call; `forward`: the whole forward in one (embedding to"
+                " logits); x floor: the step / (weights as stored / the read bandwidth measured beside it).",
+                "", "| dtype / path | batch | ms/step | x floor | linear | attention | layers | forward | model other "
+                "| sampling | engine | load |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for cfg, runs in prof.get("profiles", {}).items():
             for r in runs:
                 sh = r["share"]
-                out.append(f"| {cfg} | {r['batch']} | {r['step_ms']:.1f} | " + " | ".join(
-                    f"{100 * sh[k]:.0f}%" for k in ("linear", "attention", "model other", "sampling", "engine"))
+                ratio = f"{r['step_over_floor']:.2f}x" if "step_over_floor" in r else "-"
+                out.append(f"| {cfg} | {r['batch']} | {r['step_ms']:.1f} | {ratio} | " + " | ".join(
+                    f"{100 * sh[k]:.0f}%" if k in sh else "-"
+                    for k in ("linear", "attention", "layers", "forward", "model other", "sampling", "engine"))
                     + f" | {fmt(r['load_avg'][1], 1)} |")
         out.append("")
     return out

@@ -7,11 +7,19 @@ its own overhead would be a large share of a 20 ms step):
     attention   paged attention (KV write + decode kernel; on the fused decode path, RoPE too)
     layers      a fused decode step's decoder layers in one native call (kernels.decode_layers: its
                 linear layers, attention and norms inside; PHASELAB_DECODE_LAYERS=0 splits it into
-                the parts above); linear then holds the LM head only. `layers_ms` splits it by
-                kernel kind (qkv, o, gate_up, down, attention, norm, silu_mul), timed in C
+                the parts above); linear then holds the LM head only
+    forward     a decode-only step's whole forward in one native call (kernels.decode_forward: the
+                embedding and RoPE rows, the layers, the final norm and the LM head), where the
+                model's ends qualify; then linear, attention and layers are 0. `layers_ms` splits
+                layers or forward by kernel kind (qkv, o, gate_up, down, attention, norm, silu_mul,
+                and the forward's embed and head), timed in C
     sampling    the sampler
     model other the rest of the forward: embedding, norms, RoPE, SiLU*up, residual adds
     engine      everything else in step(): scheduling, input preparation, outputs, Python
+
+Beside each profile: torch's read bandwidth (phaselab.engine.ceilings.read_bandwidth) measured
+right before and after it, and the step against the issue's floor, the weights as stored / the
+better of the two readings (`floor_ms`, `step_over_floor`; weights only, the KV cache not counted).
 
 Configurations (`--configs`) are DTYPE/PATH[+BATCHED]: the linear path forced by PHASELAB_LINEAR
 (q, bf16, fp32, torch; `auto`: what the start-up probe picks, as `phaselab serve` runs) and the
@@ -54,8 +62,9 @@ class Timers:
         return timed
 
 
-def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
+def profile(eng: Any, batch: int, steps: int, weight_bytes: int) -> dict[str, Any]:
     from phaselab.core.sampling_params import SamplingParams
+    from phaselab.engine.ceilings import read_bandwidth
     from phaselab.model import llama
     from phaselab.model.linear import PackedLinear
 
@@ -73,6 +82,8 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
     llama.kernels.decode_rope_attend = timers.wrap("attention", orig_fused)
     orig_layers = llama.kernels.decode_layers  # every decoder layer of a fused decode step, one call
     llama.kernels.decode_layers = timers.wrap("layers", orig_layers)
+    orig_forward = llama.kernels.decode_forward  # a decode-only step's whole forward, one call
+    llama.kernels.decode_forward = timers.wrap("forward", orig_forward)
     model.forward = timers.wrap("model", model.forward)
     eng.executor.sampler.sample = timers.wrap("sampling", eng.executor.sampler.sample)
     try:
@@ -89,6 +100,7 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
         split_on = getattr(model, "decode_layers", False)
         if split_on:
             llama.kernels.decode_layers_profile(True)
+        bw_before = read_bandwidth()
         load0 = os.getloadavg()[0]
         t0 = time.perf_counter()
         n = 0
@@ -98,23 +110,30 @@ def profile(eng: Any, batch: int, steps: int) -> dict[str, Any]:
         total = time.perf_counter() - t0
         t = dict(timers.t)  # before the requests are run out below
         split = llama.kernels.decode_layers_profile(False) if split_on else {}
+        bw_after = read_bandwidth()
         while eng.has_unfinished_requests():
             eng.step()
     finally:
         llama.paged_attention = orig_attn
         llama.kernels.decode_rope_attend = orig_fused
         llama.kernels.decode_layers = orig_layers
+        llama.kernels.decode_forward = orig_forward
         if model.head is None:
             llama.F.linear = orig_linear
     parts = {
         "linear": t.get("linear", 0.0),
         "attention": t.get("attention", 0.0),
         "layers": t.get("layers", 0.0),
-        "model other": t.get("model", 0.0) - t.get("linear", 0.0) - t.get("attention", 0.0) - t.get("layers", 0.0),
+        "forward": t.get("forward", 0.0),
+        "model other": t.get("model", 0.0) - t.get("linear", 0.0) - t.get("attention", 0.0) - t.get("layers", 0.0)
+        - t.get("forward", 0.0),
         "sampling": t.get("sampling", 0.0),
     }
     parts["engine"] = total - t.get("model", 0.0) - t.get("sampling", 0.0)
-    return {"batch": batch, "step_ms": round(total / n * 1e3, 2),
+    floor_s = weight_bytes / max(bw_before, bw_after)
+    return {"batch": batch, "steps": n, "step_ms": round(total / n * 1e3, 2),
+            "read_bandwidth_gbs": [round(bw_before / 1e9, 2), round(bw_after / 1e9, 2)],
+            "floor_ms": round(floor_s * 1e3, 3), "step_over_floor": round(total / n / floor_s, 3),
             "ms": {k: round(v / n * 1e3, 2) for k, v in parts.items()},
             "share": {k: round(v / total, 3) for k, v in parts.items()},
             # inside the one native layers call: each kernel kind's wall time per step
@@ -168,10 +187,12 @@ def main() -> None:
         log(f"{cfg}: {eng.linear.summary()}; weights {s['weight_bytes'] / 1e6:.1f} MB as stored, "
             f"{s.get('memory_bytes', s['weight_bytes']) / 1e6:.1f} MB held")
         for b in args.batches:
-            r = profile(eng, b, steps)
+            # batch 1's steps are short: more of them (64, the context 512-576 tokens)
+            r = profile(eng, b, steps if args.quick or b > 1 else 64, s["weight_bytes"])
             result["profiles"].setdefault(cfg, []).append(r)
-            log(f"{cfg} batch {b}: {r['step_ms']} ms/step; " + ", ".join(f"{k} {v:.0%}" for k, v in r["share"].items())
-                + f"; load {r['load_avg'][1]:.1f}")
+            log(f"{cfg} batch {b}: {r['step_ms']} ms/step, {r['step_over_floor']:.2f}x the {r['floor_ms']:.2f} ms floor of "
+                f"the weights at {max(r['read_bandwidth_gbs']):.1f} GB/s; "
+                + ", ".join(f"{k} {v:.0%}" for k, v in r["share"].items()) + f"; load {r['load_avg'][1]:.1f}")
             if r["layers_ms"]:
                 log(f"{cfg} batch {b}: inside layers (ms/step) "
                     + ", ".join(f"{k} {v:.2f}" for k, v in r["layers_ms"].items()))

@@ -68,9 +68,24 @@ class Workspace:
         return self._tile[:n]
 
 
+# bumped whenever any layer's max_native_rows is set: a model caches the smallest over its layers
+# (LlamaForCausalLM.native_rows) without walking 121 modules per decode step
+native_rows_version = 0
+
+
 class PackedLinear(nn.Module):
     """y = x W^T + b with W a PackedTensor. W is a plain attribute, not a Parameter, so
     `module.to(dtype)` / `to_empty` leave the stored format alone."""
+
+    @property
+    def max_native_rows(self) -> int:
+        return self._max_native_rows
+
+    @max_native_rows.setter
+    def max_native_rows(self, rows: int) -> None:
+        global native_rows_version
+        self._max_native_rows = rows
+        native_rows_version += 1
 
     def __init__(self, packed: PackedTensor, bias: torch.Tensor | None, act_dtype: torch.dtype,
                  max_native_rows: int, workspace: Workspace, batched: str = "tile") -> None:

@@ -21,7 +21,8 @@ from torch import nn
 from phaselab.errors import UnsupportedModelError
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
-from phaselab.model.linear import PackedLinear
+from phaselab.model import linear as linear_mod
+from phaselab.model.linear import PackedEmbedding, PackedLinear
 from phaselab.model.attention import AttentionMetadata, paged_attention
 from phaselab.spec.config import ModelConfig
 
@@ -83,15 +84,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables (positions, hd) in `dtype`: cast once per dtype (the same values as
+        casting the looked-up rows), so a decode step pays two lookups, not two lookups and two casts."""
         if dtype == self.cos.dtype:
-            return self.cos[positions], self.sin[positions]  # (T, hd) each
-        # the tables cast once per dtype (the same values as casting the looked-up rows): a decode
-        # step then pays two lookups, not two lookups and two casts
+            return self.cos, self.sin
         cast = self._cast.get(dtype)
         if cast is None or cast[0].device != self.cos.device:
-            cast = self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        return cast[0][positions], cast[1][positions]
+            cast = self._cast[dtype] = (self.cos.to(dtype).contiguous(), self.sin.to(dtype).contiguous())
+        return cast
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.tables(dtype)
+        return cos[positions], sin[positions]  # (T, hd) each
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -210,6 +215,8 @@ class LlamaForCausalLM(nn.Module):
         # a fused decode step's layers in one native call (kernels.decode_layers; set by the runner)
         self.decode_layers = False
         self._layer_table: tuple[ctypes.Array, tuple[PackedLinear, ...]] | None | bool = False  # False: not built
+        self._ends: dict[torch.dtype, tuple[kernels.DecodeEnds, tuple[torch.Tensor, ...]] | None] = {}
+        self._native_rows: tuple[int, int] = (-1, 0)  # (linear.native_rows_version, rows)
 
     def layer_table(self) -> tuple[ctypes.Array, tuple[PackedLinear, ...]] | None:
         """The decoder layers' weights for kernels.decode_layers and their linear modules, or None
@@ -233,6 +240,42 @@ class LlamaForCausalLM(nn.Module):
                 self._layer_table = (table, tuple(x for four in linears for x in four))
         return self._layer_table
 
+    def native_rows(self) -> int:
+        """The most rows every linear layer and the LM head run on the native kernel (their smallest
+        max_native_rows; 0 when any is not packed), cached until any layer's limit is set again."""
+        version, rows = self._native_rows
+        if version != linear_mod.native_rows_version:
+            table = self.layer_table()
+            mods = (*table[1], self.head) if table is not None and isinstance(self.head, PackedLinear) else ()
+            rows = min((m.max_native_rows for m in mods), default=0)
+            self._native_rows = (linear_mod.native_rows_version, rows)
+        return rows
+
+    def decode_ends(self, dtype: torch.dtype) -> kernels.DecodeEnds | None:
+        """The embedding, RoPE tables, final norm and LM head as kernels.decode_forward reads them, for
+        activations of `dtype`; None where the ends cannot run natively (a dense embedding in another
+        dtype, an unpacked or biased head, a final norm whose eps differs from the layers'). Built
+        once per dtype: the tensors do not move after load."""
+        if dtype not in self._ends:
+            self._ends[dtype] = None
+            emb, head, norm = self.model.embed_tokens, self.head, self.model.norm
+            if isinstance(emb, PackedEmbedding) and emb.act_dtype == dtype:
+                emb_fmt, emb_w, vocab_in = emb.packed.fmt, emb.packed.data, emb.num_embeddings
+            elif isinstance(emb, nn.Embedding) and emb.weight.dtype == dtype and emb.weight.is_contiguous():
+                emb_fmt, emb_w, vocab_in = ("BF16" if dtype == torch.bfloat16 else "F32"), emb.weight, emb.num_embeddings
+            else:
+                return None
+            if (not isinstance(head, PackedLinear) or head.bias_f32 is not None or norm.weight.dtype != dtype
+                    or norm.eps != self.model.layers[0].input_layernorm.eps or dtype not in (torch.bfloat16, torch.float32)):
+                return None
+            cos, sin = self.rotary.tables(dtype)
+            ends = kernels.DecodeEnds(qlinear.FORMAT_IDS[emb_fmt], emb_w.data_ptr(), vocab_in, cos.data_ptr(),
+                                      sin.data_ptr(), cos.shape[0], norm.weight.data_ptr(),
+                                      qlinear.FORMAT_IDS[head.packed.fmt], head.packed.data.data_ptr(), head.out_features)
+            self._ends[dtype] = (ends, (emb_w, cos, sin, norm.weight, head.packed.data))  # kept alive with it
+        entry = self._ends[dtype]
+        return None if entry is None else entry[0]
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -245,11 +288,21 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # rows whose logits are needed (None = all)
     ) -> torch.Tensor:
+        native = self.native_elementwise
+        one_call = meta.fused_decode and native and self.decode_layers
+        if one_call and logits_indices is None and input_ids.shape[0] <= self.native_rows():
+            # a decode-only batch: embedding to logits in one native call, when the ends qualify
+            ends = self.decode_ends(kv_caches.dtype)
+            if ends is not None:
+                a = self.model.layers[0].self_attn
+                return kernels.decode_forward(
+                    self.layer_table()[0], ends, input_ids, positions, kv_caches, meta.slot_mapping,
+                    meta.decode_block_tables, meta.decode_seq_lens, a.num_heads, a.scale,
+                    self.model.layers[0].input_layernorm.eps, kv_caches.dtype == torch.bfloat16)
         h = self.model.embed_tokens(input_ids)  # (T, hidden)
         cos, sin = self.rotary(positions, h.dtype)
-        native = self.native_elementwise
         residual: torch.Tensor | None = None
-        table = self.layer_table() if meta.fused_decode and native and self.decode_layers else None
+        table = self.layer_table() if one_call else None
         # (the linear layers' row limit read per call: tests and the start-up probe move it)
         if table is not None and all(h.shape[0] <= x.max_native_rows for x in table[1]):
             a = self.model.layers[0].self_attn

@@ -57,7 +57,7 @@ POOL_SOURCE = Path(__file__).with_name("pool.c")
 POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
 SPIN_ENV = "PHASELAB_POOL_SPIN_US"
 DEFAULT_SPIN_US = 200
-_ABI = 11
+_ABI = 12
 _POOL_ABI = 1
 
 _lib: ctypes.CDLL | None = None
@@ -111,7 +111,10 @@ def _load() -> ctypes.CDLL | None:
             lib.decode_layers.restype = ctypes.c_int
             lib.decode_layers.argtypes = [vp, i64, i64, ctypes.c_int] + [vp] * 6 + [i64, i64] + [vp, vp, i64, vp] \
                 + [i64] * 4 + [ctypes.c_float] * 2
-            lib.decode_layers_set_qlinear.argtypes = [vp]
+            lib.decode_forward.restype = ctypes.c_int
+            lib.decode_forward.argtypes = [vp, i64, vp, i64, ctypes.c_int, vp, vp, vp, vp, i64, i64, vp, vp, i64, vp] \
+                + [i64] * 4 + [ctypes.c_float] * 2
+            lib.decode_layers_set_qlinear.argtypes = [vp, vp]
             lib.decode_layers_profile.argtypes = [ctypes.c_int, vp]
             for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool, lib.elementwise_set_pool):
                 setter.argtypes = [ctypes.c_void_p]
@@ -499,8 +502,57 @@ def decode_layers(
     return out
 
 
-# decode_layers.c's profile kinds, in its order
-DECODE_LAYERS_KINDS = ("qkv", "o", "gate_up", "down", "attention", "norm", "silu_mul")
+class DecodeEnds(ctypes.Structure):
+    """The model's two ends around the layers for `decode_forward` (decode_layers.c's df_ends): the
+    embedding rows as stored, the RoPE tables, the final norm's weight and the LM head."""
+
+    _fields_ = [("emb_fmt", ctypes.c_int32), ("emb", ctypes.c_void_p), ("vocab_in", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("max_pos", ctypes.c_int64),
+                ("norm", ctypes.c_void_p), ("head_fmt", ctypes.c_int32), ("head", ctypes.c_void_p),
+                ("vocab", ctypes.c_int64)]
+
+
+def decode_forward(
+    layers: ctypes.Array,  # DecodeLayer per decoder layer
+    ends: DecodeEnds,  # the tensors it points to kept alive by the caller
+    input_ids: torch.Tensor,  # (B,) int64
+    positions: torch.Tensor,  # (B,) int64
+    kv_caches: torch.Tensor,  # (layers, 2, num_blocks, BS, KVH, D) in the activation dtype, contiguous
+    slot_mapping: torch.Tensor,  # (B,) int64
+    block_tables: torch.Tensor,  # (B, max_blocks) int64
+    seq_lens: torch.Tensor,  # (B,) int64
+    num_heads: int,
+    scale: float,
+    eps: float,
+    bf16: bool,
+) -> torch.Tensor:
+    """A decode-only batch's whole forward in one call (decode_layers.c): the embedding lookup, the
+    RoPE rows, every decoder layer, the final norm and the LM head; float32 logits (B, vocab).
+    Bit-identical to the model's forward with `decode_layers` and its Python ends
+    (tests/test_decode_layers.py); shapes are the caller's to get right."""
+    from phaselab.model.kernels import qlinear
+
+    lib = _require("decode_forward")
+    _bind_qlinear(lib, qlinear)
+    B = input_ids.shape[0]
+    _, _, _, BS, KVH, D = kv_caches.shape
+    logits = torch.empty((B, ends.vocab), dtype=torch.float32)
+    el = kv_caches.element_size()
+    rc = lib.decode_forward(
+        ctypes.addressof(layers), len(layers), ctypes.addressof(ends), B, int(bf16), input_ids.data_ptr(),
+        positions.data_ptr(), logits.data_ptr(), kv_caches.data_ptr(), kv_caches.stride(0) * el,
+        kv_caches.stride(1) * el, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), num_heads, KVH, D, BS, scale, eps,
+    )
+    if rc != 0:
+        raise RuntimeError(f"decode_forward failed (code {rc}: 1 = a shape, weight format, token id or position "
+                           "the kernels refuse, 2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one "
+                           "call at a time")
+    return logits
+
+
+# decode_layers.c's profile kinds, in its order (embed and head: decode_forward's ends)
+DECODE_LAYERS_KINDS = ("qkv", "o", "gate_up", "down", "attention", "norm", "silu_mul", "embed", "head")
 
 
 def decode_layers_profile(on: bool) -> dict[str, float]:
@@ -516,10 +568,13 @@ _qlinear_bound = False
 
 
 def _bind_qlinear(lib: ctypes.CDLL, qlinear) -> None:  # type: ignore[no-untyped-def]
-    """Hand qlinear.c's entry point to decode_layers.c once (the two are separate libraries)."""
+    """Hand qlinear.c's entry points (the kernel, the row lookup) to decode_layers.c once (the two
+    are separate libraries)."""
     global _qlinear_bound
     if not _qlinear_bound:
-        lib.decode_layers_set_qlinear(ctypes.cast(qlinear._lib_or_raise().qlinear, ctypes.c_void_p))
+        ql = qlinear._lib_or_raise()
+        lib.decode_layers_set_qlinear(ctypes.cast(ql.qlinear, ctypes.c_void_p),
+                                      ctypes.cast(ql.dequant_rows, ctypes.c_void_p))
         _qlinear_bound = True
 
 

@@ -27,8 +27,14 @@
 
 typedef int (*qlinear_fn)(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M,
                           float *scratch, const float *bias, void *y, int y_bf16, int use_dp);
+typedef int (*dequant_fn)(int fmt, const void *w, int64_t N, int64_t K, const int64_t *idx, int64_t R, void *out,
+                          int out_bf16);
 static qlinear_fn g_qlinear = NULL;
-void decode_layers_set_qlinear(void *fn) { g_qlinear = (qlinear_fn)fn; }
+static dequant_fn g_dequant = NULL; /* qlinear.c's dequant_rows: the embedding lookup */
+void decode_layers_set_qlinear(void *fn, void *dequant) {
+    g_qlinear = (qlinear_fn)fn;
+    g_dequant = (dequant_fn)dequant;
+}
 
 /* the kernels of this library the loop calls (paged_decode.c, elementwise.c) */
 int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
@@ -42,14 +48,16 @@ int add_rms_norm(const uint16_t *x, uint16_t *res, const uint16_t *w, uint16_t *
 int add_rms_norm_f32(const float *x, float *res, const float *w, float *out, int64_t T, int64_t N, float eps);
 int silu_mul(const uint16_t *gu, uint16_t *out, int64_t T, int64_t N);
 int silu_mul_f32(const float *gu, float *out, int64_t T, int64_t N);
+int bf16_to_f32(const uint16_t *x, float *y, int64_t T, int64_t N);
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
 
 /* Where a call's time goes, for benchmarks/step_profile.py: wall nanoseconds per kernel kind,
  * summed over calls while profiling is on (decode_layers_profile; two clock reads per kernel call,
  * about 7 per layer, nothing when off). Kinds: the four linear layers (QKV, O, GATE_UP, DOWN),
- * attention (RoPE + K/V write + paged attention), norms, SiLU * up. */
-enum { P_ATTN = 4, P_NORM = 5, P_SILU = 6, P_KINDS = 7 };
+ * attention (RoPE + K/V write + paged attention), norms, SiLU * up; decode_forward's two ends: the
+ * embedding rows and RoPE tables looked up, and the final norm, LM head and logits widened. */
+enum { P_ATTN = 4, P_NORM = 5, P_SILU = 6, P_EMBED = 7, P_HEAD = 8, P_KINDS = 9 };
 static atomic_int g_prof_on = 0;
 static _Atomic int64_t g_prof[P_KINDS];
 
@@ -139,7 +147,8 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
                                                      max_blocks, lens, (float *)mid, M, H, KVH, D, BS, scale);
         if (rc) return rc;
         prof_add(on, P_ATTN, &t);
-        if (g_qlinear(y->fmt[O], y->w[O], y->n[O], y->k[O], mid, bf16, M, scratch, y->bias[O], a, bf16, 1)) return 1;
+        if (g_qlinear(y->fmt[O], y->w[O], y->n[O], y->k[O], mid, bf16, M, scratch, y->bias[O], a, bf16, 1))
+            return 1;
         prof_add(on, O, &t);
         if (norm(bf16, a, residual, y->norm_post, x, M, hidden, eps)) return 1;
         prof_add(on, P_NORM, &t);
@@ -158,5 +167,83 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
         prof_add(on, DOWN, &t);
         h = h_out;
     }
+    return 0;
+}
+
+/* -- a decode-only step's whole forward in one call -----------------------------------------------
+ *
+ * decode_layers and the model's two ends around it, as llama.py's forward runs them on its native
+ * path, in the same order on the same values (bit-identical; tests/test_decode_layers.py):
+ *
+ *     residual = dequant_rows(embedding, ids)         the rows of the looked-up tokens
+ *     cos, sin = the tables' rows at `positions`      (the caller's tables, in the activation dtype)
+ *     h = decode_layers(...)
+ *     x = add_rms_norm(h, residual, final_norm)
+ *     logits = qlinear(head, x)                       in the activation dtype, then widened to float32
+ *
+ * Why: after a step has streamed ~100 MB of weights through the caches, each small torch op between
+ * the native calls costs tens of microseconds in cache misses (embedding, RoPE lookup, norm, head
+ * wrapper, widening: about 0.25 ms of a 6.5 ms batch-1 step on the AMX Xeon, benchmarks/RESULTS.md). */
+typedef struct {
+    int32_t emb_fmt;         /* the embedding's rows as stored (dequant_rows' format ids) */
+    const void *emb;
+    int64_t vocab_in;        /* its rows */
+    const void *cos, *sin;   /* (max_pos, D) RoPE tables in the activation dtype */
+    int64_t max_pos;
+    const void *norm;        /* the final RMSNorm weight, in the activation dtype */
+    int32_t head_fmt;        /* the LM head as qlinear reads it: (vocab, hidden) */
+    const void *head;
+    int64_t vocab;
+} df_ends;
+
+static _Thread_local pl_buf tl_fwd;
+
+/* logits (M, vocab) float32. ids, positions: (M,) int64. Returns as decode_layers; 1 also for an id
+ * or position outside its table. */
+int decode_forward(const dl_layer *L, int64_t num_layers, const df_ends *E, int64_t M, int bf16, const int64_t *ids,
+                   const int64_t *positions, float *logits, char *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
+                   const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t H,
+                   int64_t KVH, int64_t D, int64_t BS, float scale, float eps) {
+    if (!g_qlinear || !g_dequant || num_layers <= 0 || M <= 0 || !E) return 1;
+    for (int64_t m = 0; m < M; m++)
+        if (ids[m] < 0 || ids[m] >= E->vocab_in || positions[m] < 0 || positions[m] >= E->max_pos) return 1;
+    const size_t el = bf16 ? 2 : 4;
+    const int64_t hidden = L[0].k[QKV], V = E->vocab;
+    /* residual, h, x: (M, hidden); cos, sin: (M, D); logits in the activation dtype (bf16 only: a
+     * float32 model's head writes `logits` directly); the head's scratch (qlinear_scratch_floats) */
+    const size_t sh = (size_t)(M * hidden) * el, sd = (size_t)(M * D) * el, sl = bf16 ? (size_t)(M * V) * el : 0;
+    const size_t sscr = (size_t)(2 * M * hidden + M * (hidden / 32) + 8 * hidden + 16) * sizeof(float);
+    char *buf = pl_grow(&tl_fwd, 3 * sh + 2 * sd + sl + sscr + 64 * 8);
+    if (!buf) return 2;
+    char *p = (char *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);
+#define DF_TAKE(var, n)                                        \
+    void *var = p;                                             \
+    p = (char *)(((uintptr_t)(p + (n)) + 63) & ~(uintptr_t)63)
+    DF_TAKE(residual, sh);
+    DF_TAKE(h, sh);
+    DF_TAKE(x, sh);
+    DF_TAKE(cos, sd);
+    DF_TAKE(sin, sd);
+    DF_TAKE(act_logits, sl);
+    float *scratch = (float *)p;
+#undef DF_TAKE
+    const int on = atomic_load_explicit(&g_prof_on, memory_order_relaxed);
+    int64_t t = prof_now(on);
+    if (g_dequant(E->emb_fmt, E->emb, E->vocab_in, hidden, ids, M, residual, bf16)) return 1;
+    for (int64_t m = 0; m < M; m++) {
+        memcpy((char *)cos + (size_t)(m * D) * el, (const char *)E->cos + (size_t)(positions[m] * D) * el, (size_t)D * el);
+        memcpy((char *)sin + (size_t)(m * D) * el, (const char *)E->sin + (size_t)(positions[m] * D) * el, (size_t)D * el);
+    }
+    prof_add(on, P_EMBED, &t);
+    const int rc = decode_layers(L, num_layers, M, bf16, NULL, residual, h, cos, sin, kv, kv_layer_stride,
+                                 kv_half_stride, slots, tables, max_blocks, lens, H, KVH, D, BS, scale, eps);
+    if (rc) return rc;
+    t = prof_now(on);
+    if (norm(bf16, h, residual, E->norm, x, M, hidden, eps)) return 1;
+    if (g_qlinear(E->head_fmt, E->head, V, hidden, x, bf16, M, scratch, NULL, bf16 ? act_logits : (void *)logits, bf16,
+                  1))
+        return 1;
+    if (bf16 && bf16_to_f32((const uint16_t *)act_logits, logits, M, V)) return 1;
+    prof_add(on, P_HEAD, &t);
     return 0;
 }

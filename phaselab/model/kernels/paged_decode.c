@@ -535,4 +535,4 @@ int rope_write_kv(const uint16_t *qkv, int64_t stride, const uint16_t *cos, cons
     return 0;
 }
 
-int phaselab_kernel_abi(void) { return 11; }
+int phaselab_kernel_abi(void) { return 12; }
