@@ -249,6 +249,31 @@ def test_q4_1x_kernel_matches_float64_reference(n, k):
 
 
 @needs_dp
+@pytest.mark.parametrize(("n", "k"), X_SHAPES)
+def test_q4_1x_prefetch_distance_changes_no_bit(n, k):
+    """How far ahead the kernel prefetches (set at start-up per CPU, linear_probe.choose_prefetch)
+    moves only data, never arithmetic: every distance, past the weight's end too, gives the same bits
+    at 1..64 rows."""
+    packed, _ = _gguf_packed("Q4_1", n, k, seed=k + 2)
+    x4 = qlinear.repack("Q4_1X", packed.data, n, k)
+    before = qlinear.prefetch()
+    try:
+        for m in (1, 3, 64):
+            x = _x(m, k, torch.bfloat16, seed=m)
+            outs = []
+            for dist in (64, 2048, 4096, 1 << 20):
+                qlinear.set_prefetch(dist)
+                assert qlinear.prefetch() == dist
+                y = torch.empty(m, n, dtype=torch.bfloat16)
+                outs.append(qlinear.linear("Q4_1X", x4, n, k, x, y, _scratch("Q4_1X", m, k, x.dtype)))
+            assert all(torch.equal(outs[0], o) for o in outs[1:]), f"({n}x{k}) at {m} rows"
+        qlinear.set_prefetch(0)
+        assert qlinear.prefetch() == 2048  # 0: the kernel's default
+    finally:
+        qlinear.set_prefetch(before)
+
+
+@needs_dp
 def test_q4_1x_refuses_float32_activations():
     """The layout exists for vdpbf16ps: float32 activations get an error, not a silent rounding."""
     packed, _ = _gguf_packed("Q4_1", 8, 64, seed=9)

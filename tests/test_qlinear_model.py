@@ -328,30 +328,65 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     layer, and the kernel's own per-format setting."""
     from phaselab.analysis.verify import _recorded_linear_path
     from phaselab.errors import ConfigError
-    from phaselab.model.linear_probe import NATIVE_ROWS_ENV, ROWS4_ENV, parse_rows4
+    from phaselab.model.linear_probe import NATIVE_ROWS_ENV, PREFETCH_ENV, ROWS4_ENV, parse_rows4
 
     gguf_path = _tiny_gguf(tmp_path, tie=False)
     monkeypatch.setenv(NATIVE_ROWS_ENV, "5")
     monkeypatch.setenv(ROWS4_ENV, "Q4_0=8,Q8_0=off")
+    monkeypatch.setenv(PREFETCH_ENV, "3072")  # no candidate of the start-up choice
     run = _engine(gguf_path, dtype="float32", weights="quantized")
     config = run.run_config()
     assert config["linear"]["max_native_rows"] == 5 and "PHASELAB_NATIVE_ROWS" in config["linear"]["reason"]
     assert config["linear"]["rows4_min"] == {"Q4_0": 8, "Q8_0": qlinear.ROWS4_OFF}
-    for var in (NATIVE_ROWS_ENV, ROWS4_ENV):
+    assert config["linear"]["prefetch_bytes"] == 3072 and qlinear.prefetch() == 3072
+    for var in (NATIVE_ROWS_ENV, ROWS4_ENV, PREFETCH_ENV):
         monkeypatch.delenv(var)
+    qlinear.set_prefetch(0)  # as another engine in between would leave it
     with _recorded_linear_path(config, {}):
         rerun = _engine(gguf_path, dtype="float32")
     layers = [m for m in rerun.executor.model.modules() if isinstance(m, PackedLinear)]
     assert layers and {m.max_native_rows for m in layers} == {5}
     assert rerun.linear.path == "q" and qlinear.rows4_min("Q4_0") == 8 and qlinear.rows4_min("Q8_0") == qlinear.ROWS4_OFF
-    assert NATIVE_ROWS_ENV not in os.environ  # the pins end with the rerun's engine
+    assert rerun.linear.prefetch_bytes == 3072 and qlinear.prefetch() == 3072
+    assert NATIVE_ROWS_ENV not in os.environ and PREFETCH_ENV not in os.environ  # the pins end with the rerun's engine
     # a change of weights or dtype measures again: nothing pinned
     with _recorded_linear_path(config, {"dtype": "bfloat16"}):
         assert NATIVE_ROWS_ENV not in os.environ
-    for bad, var in (("-1", NATIVE_ROWS_ENV), ("many", NATIVE_ROWS_ENV), ("Q9_9=4", ROWS4_ENV), ("Q4_0=0", ROWS4_ENV)):
+    for bad, var in (("-1", NATIVE_ROWS_ENV), ("many", NATIVE_ROWS_ENV), ("Q9_9=4", ROWS4_ENV), ("Q4_0=0", ROWS4_ENV),
+                     ("near", PREFETCH_ENV), ("8", PREFETCH_ENV)):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ConfigError, match=var):
             _engine(gguf_path, dtype="float32", weights="quantized")
         monkeypatch.delenv(var)
     assert parse_rows4("off") == {f: qlinear.ROWS4_OFF for f in qlinear.FORMAT_IDS}
     _engine(gguf_path, dtype="float32")  # the probe's own choice again, for the tests after this one
+
+
+def test_prefetch_distance_is_measured_on_the_models_own_layers(monkeypatch):
+    """A bf16 engine with Q4_1X layers times one decode step's layers at each candidate distance and
+    runs the faster (by more than 1%; else the kernel's default), recorded in config.json; a model
+    without Q4_1X layers (float32 activations) measures nothing and keeps the default. The rule is
+    checked on the engine's own timings, and again on given ones (a near-tie keeps the default)."""
+    from phaselab.model import linear_probe
+
+    for dtype in ("bfloat16", "float32"):
+        engine = LLMEngine(EngineArgs(dtype=dtype, kv_cache_memory="32MiB", max_model_len=200))
+        lin = engine.run_config()["linear"]
+        q41x = engine.linear.layouts.get("Q4_1X", 0) > 0
+        assert q41x == (dtype == "bfloat16" and qlinear.features()["avx512_bf16_dot"] and qlinear.native_format("Q4_1", torch.bfloat16) == "Q4_1X")
+        if not q41x:
+            assert lin["prefetch_probe"] == {} and lin["prefetch_bytes"] == 0
+            continue
+        times = lin["prefetch_probe"]
+        assert set(times) == {str(b) for b in linear_probe.PREFETCH_CANDIDATES} and min(times.values()) > 0
+        best = min(linear_probe.PREFETCH_CANDIDATES, key=lambda b: times[str(b)])
+        default = linear_probe.PREFETCH_CANDIDATES[0]
+        chosen = best if times[str(best)] * 1.01 < times[str(default)] else 0
+        assert lin["prefetch_bytes"] == chosen and qlinear.prefetch() == (chosen or default)
+        model = engine.executor.model
+        for given, expect in (({"2048": 3.0, "4096": 2.5}, 4096), ({"2048": 3.0, "4096": 2.99}, 0),
+                              ({"2048": 2.5, "4096": 3.0}, 0)):
+            monkeypatch.setattr(linear_probe, "_prefetch_times", lambda *a, g=given: dict(g))
+            linear_probe.choose_prefetch(engine.linear, model)
+            assert engine.linear.prefetch_bytes == expect and qlinear.prefetch() == (expect or default)
+        monkeypatch.undo()

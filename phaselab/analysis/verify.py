@@ -93,7 +93,7 @@ def workload(data: Any, seed: int = 0) -> tuple[list[Any], list[str]]:
 @contextlib.contextmanager
 def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> Iterator[None]:
     """Build the rerun's engine on the linear path the run recorded (config.json's `linear`: path,
-    batched GEMM, native row count, four-row pass), forced by their environment variables, unless
+    batched GEMM, native row count, four-row pass, prefetch distance), forced by their environment variables, unless
     the change is about the weights or dtype. Left to `--weights auto`, the rerun would measure again
     and may choose another path: a run made on a dense checkpoint (the bf16 kernel) was rerun on the
     Q4_1 kernel, whose per-row cost made a batch of 4 cost 32 ms a step where the run's path took 26
@@ -103,7 +103,7 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
     steps ran the GEMM on a weight widened per call (138 ms a step against the run's 100), and
     `--max-num-seqs 16`, predicted at -43% ITL p50, measured -57% against that other engine."""
     from phaselab.model.linear import ENV_VAR
-    from phaselab.model.linear_probe import BATCHED_ENV, NATIVE_ROWS_ENV, ROWS4_ENV, rows4_text
+    from phaselab.model.linear_probe import BATCHED_ENV, NATIVE_ROWS_ENV, PREFETCH_ENV, ROWS4_ENV, rows4_text
 
     lin = config.get("linear") or {}
     if "weights" in overrides or "dtype" in overrides or not isinstance(lin, dict):
@@ -111,7 +111,8 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
     rows = lin.get("max_native_rows")
     pinned = {ENV_VAR: lin.get("path"), BATCHED_ENV: lin.get("batched"),
               NATIVE_ROWS_ENV: None if rows is None or lin.get("path") == "torch" else str(rows),
-              ROWS4_ENV: rows4_text(lin["rows4_min"]) if lin.get("rows4_min") else None}
+              ROWS4_ENV: rows4_text(lin["rows4_min"]) if lin.get("rows4_min") else None,
+              PREFETCH_ENV: str(lin["prefetch_bytes"]) if lin.get("prefetch_bytes") else None}
     saved = {k: os.environ.get(k) for k in pinned}
     try:
         for k, v in pinned.items():

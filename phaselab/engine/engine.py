@@ -165,6 +165,7 @@ class LLMEngine:
         model.rotary.__init__(ckpt.config, max_model_len)  # buffers were on the meta device
         model.load_weights(weights, source=ckpt.path)
         model.eval()
+        linear_probe.choose_prefetch(self.linear, model)  # on the model's own layers, as loaded
         return model
 
     def add_request(

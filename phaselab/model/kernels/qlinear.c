@@ -67,6 +67,18 @@
 #endif
 
 enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_Q4_1X = 5, FMT_Q4_1L = 6, FMT_Q8_0L = 7 };
+
+/* How far ahead in the weight stream a Q4_1X row's bytes are prefetched (the whole row, so that the
+ * d/m and tail-block lines are covered too). The best distance depends on the CPU: on the AMD EPYC with AVX512-BF16
+ * the step's layers streamed at 24.2 GB/s 2 KiB ahead and 22.3 GB/s 4 KiB ahead (group-based prefetch); on the AMX Xeon a
+ * batch-1 step's layers took 3.26 ms 4 KiB ahead and 3.54 ms 2 KiB ahead. So the engine measures it
+ * at start-up on the model's own layers (linear_probe.choose_prefetch; PHASELAB_PREFETCH_BYTES
+ * forces it) and sets it here. */
+#define Q41X_PREFETCH_DEFAULT 2048
+static int64_t g_q41x_prefetch = Q41X_PREFETCH_DEFAULT;
+void qlinear_set_prefetch(int64_t bytes) { g_q41x_prefetch = bytes > 0 ? bytes : Q41X_PREFETCH_DEFAULT; }
+int64_t qlinear_prefetch(void) { return g_q41x_prefetch; }
+
 #define FMT_LAST FMT_Q8_0L
 #define IS_LANES(fmt) ((fmt) == FMT_Q4_1L || (fmt) == FMT_Q8_0L)
 #define LANES_BASE(fmt) ((fmt) == FMT_Q4_1L ? FMT_Q4_1 : FMT_Q8_0) /* the file's format of a lane layout */
@@ -846,11 +858,12 @@ static inline __attribute__((always_inline)) void dot_rows_q41x(const uint8_t *w
     __m512 acc[MR];
     float tail[MR];
     _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++) { acc[m] = _mm512_setzero_ps(); tail[m] = 0.f; }
+    {
+        const uint8_t *ahead = w + g_q41x_prefetch; /* the row that far ahead, all 20 nb of its bytes */
+        for (int64_t o = 0; o < 20 * nb; o += 64) _mm_prefetch((const char *)(ahead + o), _MM_HINT_T0);
+    }
     for (int64_t g = 0; g < ng; g++) {
         const uint8_t *wg = w + 256 * g;
-        /* the group 2 KiB ahead (8 groups): on the AMD EPYC the step's 120 calls streamed at 21.7 GB/s
-         * without it, 24.2 GB/s with it (1 KiB ahead: 18.0, 4 KiB: 22.3, the same run) */
-        _Pragma("GCC unroll 4") for (int l = 0; l < 4; l++) _mm_prefetch((const char *)(wg + 2048 + 64 * l), _MM_HINT_T0);
         __m512 t[MR][CH];
         _Pragma("GCC unroll 8") for (int m = 0; m < mr; m++)
             _Pragma("GCC unroll 4") for (int c = 0; c < ch; c++) t[m][c] = _mm512_setzero_ps();

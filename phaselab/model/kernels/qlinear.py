@@ -61,6 +61,8 @@ def _load() -> ctypes.CDLL | None:
         lib.qlinear_repack.restype = ci
         lib.qlinear_repack.argtypes = [ci, vp, i64, i64, vp]
         lib.qlinear_set_rows4_min.argtypes = [ci, ci]
+        lib.qlinear_set_prefetch.argtypes = [i64]
+        lib.qlinear_prefetch.restype = i64
         lib.qlinear_rows4_min.restype = ci
         lib.qlinear_rows4_min.argtypes = [ci]
         lib.qlinear_set_amx_min.argtypes = [ci, ci]
@@ -153,6 +155,16 @@ def set_rows4_min(fmt: str, rows: int) -> None:
 
 def rows4_min(fmt: str) -> int:
     return int(_lib_or_raise().qlinear_rows4_min(FORMAT_IDS[fmt]))
+
+
+def set_prefetch(nbytes: int) -> None:
+    """How far ahead in the weight stream the Q4_1X kernel prefetches a row (process-wide; the
+    engine measures it at start-up: linear_probe.choose_prefetch). 0: the kernel's default."""
+    _lib_or_raise().qlinear_set_prefetch(int(nbytes))
+
+
+def prefetch() -> int:
+    return int(_lib_or_raise().qlinear_prefetch())
 
 
 def set_amx_min(fmt: str, rows: int) -> None:
