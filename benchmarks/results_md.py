@@ -273,9 +273,9 @@ def linear_section(lin: dict | None, *profs: dict | None) -> list[str]:
                         + ("native (elementwise.c)." if prof.get("native_elementwise") else "as torch ops."))
             else:
                 how += " (the attention column counts the separate ops only: fused, they fall under model other)."
-        out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares." + how,
-                " `layers`: the decoder layers in one native call; `forward`: the whole forward in one (embedding to"
-                " logits); x floor: the step / (weights as stored / the read bandwidth measured beside it).",
+        out += ["Decode step shares (`benchmarks/step_profile.py`; 512-token contexts): ms/step, then shares." + how
+                + " `layers`: the decoder layers in one native call; `forward`: the whole forward in one (embedding"
+                " to logits); x floor: the step / (weights as stored / the read bandwidth measured beside it).",
                 "", "| dtype / path | batch | ms/step | x floor | linear | attention | layers | forward | model other "
                 "| sampling | engine | load |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -448,6 +448,20 @@ ISSUE18_SERVED_RUNS = [
     ("2026-12-02 late afternoon: the kernel pool alone", "serve_vs_peers_epyc_pool",
      "serve_vs_peers_epyc_pool_vllm_2threads", "serve_vs_peers_epyc_pool_team", "PHASELAB_POOL=0"),
 ]
+
+
+def notes_sections(results: str) -> list[str]:
+    """The hand-written analyses (`results/notes/*.md`, one section each, named by the time they were
+    written), newest first, verbatim: what a session measured with ad-hoc loops or read off several
+    result files at once. Kept as files so that regenerating this document does not drop them."""
+    folder = os.path.join(results, "notes")
+    if not os.path.isdir(folder):
+        return []
+    out = []
+    for name in sorted((f for f in os.listdir(folder) if f.endswith(".md")), reverse=True):
+        with open(os.path.join(folder, name)) as f:
+            out += f.read().rstrip("\n").splitlines() + [""]
+    return out
 
 
 def issue18_served_section(results: str) -> list[str]:
@@ -646,6 +660,7 @@ def main() -> None:
     else:
         lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
     lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
+    lines += notes_sections(ns.results)
     lines += issue18_served_section(ns.results)
     lines += served_sections(ns.results, served)
     lines += served_fp32_section(load(os.path.join(ns.results, "serve_vs_peers_phaselab_fp32.json")),

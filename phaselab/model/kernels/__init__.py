@@ -486,20 +486,26 @@ def decode_layers(
 
     lib = _require("decode_layers")
     _bind_qlinear(lib, qlinear)
-    B = emb.shape[0]
-    _, _, _, BS, KVH, D = kv_caches.shape
     out = torch.empty_like(emb)
-    el = kv_caches.element_size()
     rc = lib.decode_layers(
-        ctypes.addressof(layers), len(layers), B, int(emb.dtype == torch.bfloat16), None, emb.data_ptr(),
-        out.data_ptr(), cos.data_ptr(), sin.data_ptr(), kv_caches.data_ptr(), kv_caches.stride(0) * el,
-        kv_caches.stride(1) * el, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), num_heads, KVH, D, BS, scale, eps,
-    )
+        ctypes.addressof(layers), len(layers), emb.shape[0], int(emb.dtype == torch.bfloat16), None, emb.data_ptr(),
+        out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+        *_cache_args(kv_caches, slot_mapping, block_tables, seq_lens, num_heads, scale, eps))
     if rc != 0:
         raise RuntimeError(f"decode_layers failed (code {rc}: 1 = a shape or weight format the kernels refuse, "
                            "2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one call at a time")
     return out
+
+
+def _cache_args(kv_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, num_heads: int, scale: float, eps: float) -> tuple:
+    """decode_layers.c's trailing arguments, shared by its two entry points: the cache (its first
+    layer's K, the byte strides to the next layer's and to V), the slots, block tables and lengths,
+    the head counts and sizes, the attention scale and the norm eps."""
+    _, _, _, BS, KVH, D = kv_caches.shape
+    el = kv_caches.element_size()
+    return (kv_caches.data_ptr(), kv_caches.stride(0) * el, kv_caches.stride(1) * el, slot_mapping.data_ptr(),
+            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_heads, KVH, D, BS, scale, eps)
 
 
 class DecodeEnds(ctypes.Structure):
@@ -535,15 +541,11 @@ def decode_forward(
     lib = _require("decode_forward")
     _bind_qlinear(lib, qlinear)
     B = input_ids.shape[0]
-    _, _, _, BS, KVH, D = kv_caches.shape
     logits = torch.empty((B, ends.vocab), dtype=torch.float32)
-    el = kv_caches.element_size()
     rc = lib.decode_forward(
         ctypes.addressof(layers), len(layers), ctypes.addressof(ends), B, int(bf16), input_ids.data_ptr(),
-        positions.data_ptr(), logits.data_ptr(), kv_caches.data_ptr(), kv_caches.stride(0) * el,
-        kv_caches.stride(1) * el, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), num_heads, KVH, D, BS, scale, eps,
-    )
+        positions.data_ptr(), logits.data_ptr(),
+        *_cache_args(kv_caches, slot_mapping, block_tables, seq_lens, num_heads, scale, eps))
     if rc != 0:
         raise RuntimeError(f"decode_forward failed (code {rc}: 1 = a shape, weight format, token id or position "
                            "the kernels refuse, 2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one "
