@@ -428,6 +428,10 @@ SERVED_OTHER_MACHINES = [
 # issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
 # phaselab before the change right after that), all on the machine at hand, one server at a time
 ISSUE18_SERVED_RUNS = [
+    ("2026-12-05 just after midnight on the AMX Xeon (head 0c479ff): the whole decode forward in one call, "
+     "attention's rows requested up front, Q4_1X prefetch measured per CPU; 'before' is phaselab at dbbfca9 "
+     "(a git worktree, the same script run from it)", "serve_vs_peers_xeon_amx_s38",
+     "serve_vs_peers_xeon_amx_s38_vllm2t", "serve_vs_peers_xeon_amx_s38_before", "dbbfca9"),
     ("2026-12-03 midday (head 6780111): the four-weight-row pass from a probed row count per format (no "
      "llama.cpp in this round)", "serve_vs_peers_epyc_rows4", "serve_vs_peers_epyc_rows4_vllm_2threads",
      "serve_vs_peers_epyc_rows4_before", "PHASELAB_ROWS4_MIN=4"),
@@ -482,10 +486,13 @@ def issue18_served_section(results: str) -> list[str]:
             llama = None
         else:
             cols["llama.cpp Q4_1"] = llama
+        # a before run is either the same tree with switches off (`ENV=... serve_vs_peers.py`) or an
+        # earlier commit's worktree (before_env a commit id)
+        before_cmd = (f"the same script from a worktree of {before_env} (`--servers phaselab`)"
+                      if all(ch in "0123456789abcdef" for ch in before_env) else f"`{before_env} ... --servers phaselab`")
         out += [f"### Issue 18's served table, {when}", "",
                 f"{cpu}. Three runs of `benchmarks/serve_vs_peers.py` back to back (`--servers phaselab vllm "
-                f"--phaselab-dtype auto`, then `--servers vllm --vllm-threads-bind 0-1`, then `{before_env} ... "
-                f"--servers phaselab`; outputs `{main}.json`, `{vllm2}.json`, `{before}.json`), one server at a "
+                f"--phaselab-dtype auto`, then `--servers vllm --vllm-threads-bind 0-1`, then {before_cmd}; outputs `{main}.json`, `{vllm2}.json`, `{before}.json`), one server at a "
                 "time, same client, workloads and seeds. Output tok/s, then ITL p50 / p99 ms; the last column is "
                 "phaselab's output tok/s over the better vLLM's (>= 1.00x is the issue's target)"
                 + (", and over llama.cpp's (llama.cpp ran in the first of the three runs, `-t 2 -tb 2`)." if llama else "."), "",
