@@ -94,6 +94,7 @@ static inline float exp_row(float *s, int64_t len, float *m_out) {
  * what (batched = alone, bit for bit), and at batch 1 a 512-token context is 4 part items for 2
  * threads to share (before, KVH = 3 items on 2 threads: one thread did two thirds). */
 #define PART 128
+#define PREFETCH_PART (64 * 1024) /* bytes of a part's K, and of its V, requested before its arithmetic */
 
 /* each cached token's element offset in the cache (block table walked once per part) */
 static inline void part_rows(const int64_t *table, int64_t t0, int64_t t1, int64_t h, int64_t KVH, int64_t D,
@@ -339,18 +340,20 @@ static void pd_item(void *ctx, int64_t item) {
     }
     int64_t rows[PART];
     part_rows(j->tables + b * j->max_blocks, t0, t1, h0, j->KVH, D, j->BS, rows);
-    /* The part's K rows, then its V rows, requested all at once before any arithmetic (K towards L1,
-     * V, read after the scores, towards L2). The loops' own prefetches run 8-16 tokens ahead, about
-     * 25 ns of arithmetic against ~100 ns from memory: a batch-1 layer streamed its context at 14
-     * GB/s, about 60% of the read bandwidth. Requested up front, 512 tokens took 25.8 us a layer
-     * instead of 29.5 and 8 x 512 217 instead of 242 (AMX Xeon, decode_attention.py, contexts
-     * streamed from memory). */
+    /* The part's K rows, then its V rows, requested towards L2 all at once before any arithmetic. The
+     * loops' own prefetches run 8-16 tokens ahead, about 25 ns of arithmetic against ~100 ns from
+     * memory: a batch-1 layer streamed its context at 14 GB/s, about 60% of the read bandwidth.
+     * Requested up front, 512 tokens took 25.8 us a layer instead of 29.5 and 8 x 512 217 instead of
+     * 242 (AMX Xeon, decode_attention.py, contexts streamed from memory). At most PREFETCH_PART bytes
+     * of each (a part of a model with wide KV heads is more than an L2 holds: 128 tokens x 8 heads x
+     * 128 x 2 bytes is 256 KiB a side); the loops' prefetches cover the rest. */
     {
         const int64_t el = j->bf16 ? 2 : 4, row_bytes = nh * D * el;
+        const int64_t n = (t1 - t0) * row_bytes <= PREFETCH_PART ? t1 - t0 : PREFETCH_PART / row_bytes;
         const char *kb = (const char *)j->k, *vb = (const char *)j->v;
-        for (int64_t i = 0; i < t1 - t0; i++)
-            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kb + rows[i] * el + o, 0, 3);
-        for (int64_t i = 0; i < t1 - t0; i++)
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(kb + rows[i] * el + o, 0, 2);
+        for (int64_t i = 0; i < n; i++)
             for (int64_t o = 0; o < row_bytes; o += 64) __builtin_prefetch(vb + rows[i] * el + o, 0, 2);
     }
     const int64_t qoff = (b * j->H + h0 * G) * D; /* query heads h0 G .. (h0 + nh) G, contiguous */
