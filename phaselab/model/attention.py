@@ -103,10 +103,10 @@ def attend_after_prefix(
     if k_pre.shape[2] == 0:
         return o1
     o2, l2 = _flash(q, k_pre, v_pre, 0.0, False, scale=scale)
-    m = torch.maximum(l1, l2)
-    w1, w2 = torch.exp(l1 - m), torch.exp(l2 - m)
-    inv = 1.0 / (w1 + w2)
-    return (o1.float() * (w1 * inv).unsqueeze(-1) + o2.float() * (w2 * inv).unsqueeze(-1)).to(q.dtype)
+    # the weights sum to 1, so out = o1 + w (o2 - o1) with w = e^l2 / (e^l1 + e^l2): one pass over
+    # the (H, n, hd) outputs (torch.lerp) where the two products and their sum were three
+    w2 = torch.sigmoid(l2 - l1).unsqueeze(-1)
+    return torch.lerp(o1.float(), o2.float(), w2).to(q.dtype)
 
 
 def paged_attention(
