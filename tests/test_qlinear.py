@@ -251,7 +251,7 @@ def test_q4_1x_kernel_matches_float64_reference(n, k):
 @needs_dp
 @pytest.mark.parametrize(("n", "k"), X_SHAPES)
 def test_q4_1x_prefetch_distance_changes_no_bit(n, k):
-    """How far ahead the kernel prefetches (set at start-up per CPU, linear_probe.choose_prefetch)
+    """How far ahead the kernel prefetches (set at start-up per CPU, prefetch_probe.choose)
     moves only data, never arithmetic: every distance, past the weight's end too, gives the same bits
     at 1..64 rows."""
     packed, _ = _gguf_packed("Q4_1", n, k, seed=k + 2)

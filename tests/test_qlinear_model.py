@@ -328,7 +328,8 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     layer, and the kernel's own per-format setting."""
     from phaselab.analysis.verify import _recorded_linear_path
     from phaselab.errors import ConfigError
-    from phaselab.model.linear_probe import NATIVE_ROWS_ENV, PREFETCH_ENV, ROWS4_ENV, parse_rows4
+    from phaselab.model.linear_probe import NATIVE_ROWS_ENV, ROWS4_ENV, parse_rows4
+    from phaselab.model.prefetch_probe import PREFETCH_ENV
 
     gguf_path = _tiny_gguf(tmp_path, tie=False)
     monkeypatch.setenv(NATIVE_ROWS_ENV, "5")
@@ -367,7 +368,7 @@ def test_prefetch_distance_is_measured_on_the_models_own_layers(monkeypatch):
     runs the faster (by more than 1%; else the kernel's default), recorded in config.json; a model
     without Q4_1X layers (float32 activations) measures nothing and keeps the default. The rule is
     checked on the engine's own timings, and again on given ones (a near-tie keeps the default)."""
-    from phaselab.model import linear_probe
+    from phaselab.model import prefetch_probe
 
     for dtype in ("bfloat16", "float32"):
         engine = LLMEngine(EngineArgs(dtype=dtype, kv_cache_memory="32MiB", max_model_len=200))
@@ -378,15 +379,15 @@ def test_prefetch_distance_is_measured_on_the_models_own_layers(monkeypatch):
             assert lin["prefetch_probe"] == {} and lin["prefetch_bytes"] == 0
             continue
         times = lin["prefetch_probe"]
-        assert set(times) == {str(b) for b in linear_probe.PREFETCH_CANDIDATES} and min(times.values()) > 0
-        best = min(linear_probe.PREFETCH_CANDIDATES, key=lambda b: times[str(b)])
-        default = linear_probe.PREFETCH_CANDIDATES[0]
+        assert set(times) == {str(b) for b in prefetch_probe.PREFETCH_CANDIDATES} and min(times.values()) > 0
+        best = min(prefetch_probe.PREFETCH_CANDIDATES, key=lambda b: times[str(b)])
+        default = prefetch_probe.PREFETCH_CANDIDATES[0]
         chosen = best if times[str(best)] * 1.01 < times[str(default)] else 0
         assert lin["prefetch_bytes"] == chosen and qlinear.prefetch() == (chosen or default)
         model = engine.executor.model
         for given, expect in (({"2048": 3.0, "4096": 2.5}, 4096), ({"2048": 3.0, "4096": 2.99}, 0),
                               ({"2048": 2.5, "4096": 3.0}, 0)):
-            monkeypatch.setattr(linear_probe, "_prefetch_times", lambda *a, g=given: dict(g))
-            linear_probe.choose_prefetch(engine.linear, model)
+            monkeypatch.setattr(prefetch_probe, "_prefetch_times", lambda *a, g=given: dict(g))
+            prefetch_probe.choose(engine.linear, model)
             assert engine.linear.prefetch_bytes == expect and qlinear.prefetch() == (expect or default)
         monkeypatch.undo()

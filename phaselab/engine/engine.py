@@ -44,7 +44,7 @@ from phaselab.engine.resolve import resolve
 from phaselab.engine.runner import ModelRunner
 from phaselab.errors import InvalidRequestError
 from phaselab.model.checkpoint import LoadedCheckpoint
-from phaselab.model import linear_probe
+from phaselab.model import linear_probe, prefetch_probe
 from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
@@ -165,7 +165,7 @@ class LLMEngine:
         model.rotary.__init__(ckpt.config, max_model_len)  # buffers were on the meta device
         model.load_weights(weights, source=ckpt.path)
         model.eval()
-        linear_probe.choose_prefetch(self.linear, model)  # on the model's own layers, as loaded
+        prefetch_probe.choose(self.linear, model)  # on the model's own layers, as loaded
         return model
 
     def add_request(

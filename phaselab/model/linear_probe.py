@@ -26,10 +26,7 @@ row count (a rerun of a recorded run pins both, and the four-row pass, to what t
 analysis/verify.py).
 
 How far ahead the Q4_1X kernel prefetches its weight rows (`prefetch_bytes`) is measured once the
-model is loaded, on its own layers streamed in a step's order at one activation row
-(`choose_prefetch`): the best distance differs between CPUs (2 KiB on an AVX512-BF16 EPYC, 4 KiB
-on the AMX Xeon) and a synthetic matrix did not rank them as a real step does.
-`PHASELAB_PREFETCH_BYTES=N` forces it.
+model is loaded, on its own layers (prefetch_probe.py); the decision records it.
 
 `--dtype auto` is chosen on what both phases run, in both dtypes: the best linear path's cost
 per weight at one row and at BATCHED_ROWS rows (decode) and the 256-row GEMM rate (prefill); the
@@ -76,9 +73,7 @@ _PROBE_VERSION = 6
 ROWS4_ENV = "PHASELAB_ROWS4_MIN"
 # N: the native kernel runs up to N activation rows, the GEMM above (0: the GEMM from one row)
 NATIVE_ROWS_ENV = "PHASELAB_NATIVE_ROWS"
-ROWS4_ROWS = (4, 8, 16, 32)
-PREFETCH_ENV = "PHASELAB_PREFETCH_BYTES"
-PREFETCH_CANDIDATES = (2048, 4096)  # bytes ahead; the first is the kernel's default  # row counts the four-row pass is timed at against one weight row at a time
+ROWS4_ROWS = (4, 8, 16, 32)  # row counts the four-row pass is timed at against one weight row at a time
 
 
 @dataclass
@@ -96,7 +91,7 @@ class LinearDecision:
     rows4_min: dict[str, int] = field(default_factory=dict)
     # bf16 activation rows from which the kernel runs on AMX tiles (qlinear.amx_min); 0: no AMX here
     amx_min: int = 0
-    # bytes ahead the Q4_1X kernel prefetches its rows (qlinear.set_prefetch; choose_prefetch); 0: the default
+    # bytes ahead the Q4_1X kernel prefetches its rows (qlinear.set_prefetch; prefetch_probe.choose); 0: the default
     prefetch_bytes: int = 0
     prefetch_probe: dict[str, float] = field(default_factory=dict)  # ms per streamed pass, by candidate
 
@@ -253,68 +248,6 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
     return decision
 
 
-def choose_prefetch(decision: LinearDecision, model: torch.nn.Module, rounds: int = 8) -> None:
-    """Set how far ahead the Q4_1X kernel prefetches (PREFETCH_ENV, else measured): the model's
-    decoder layers run as one decode step at one row (kernels.decode_layers, over a scratch KV cache
-    of CONTEXT tokens), at each PREFETCH_CANDIDATES distance in turns, best of `rounds` (~80 ms for
-    the bundled model); the faster wins by more than 1%, else the default. Streaming the layers'
-    matrices alone did not rank the distances reliably (within +-3%, either way from one try to the
-    next), a step's layers did (4 KiB 5-7% ahead on the AMX Xeon, three tries in three). No Q4_1X
-    layers, or layers that do not run as one call: the default, unmeasured. Applied process-wide
-    (an earlier engine's setting must not linger) and recorded in `decision`."""
-    from phaselab.model.linear import PackedLinear
-
-    forced = os.environ.get(PREFETCH_ENV)
-    decision.prefetch_probe = {}
-    if forced:
-        try:
-            decision.prefetch_bytes = int(forced)
-            if decision.prefetch_bytes < 64:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"{PREFETCH_ENV}={forced!r} is not a byte count; give an integer >= 64 or unset it") from None
-    else:
-        decision.prefetch_bytes = 0
-        q41x = any(isinstance(m, PackedLinear) and m.packed.fmt == "Q4_1X" for m in model.modules())
-        table = model.layer_table() if q41x and kernels.available() and hasattr(model, "layer_table") else None
-        if table is not None:
-            decision.prefetch_probe = _prefetch_times(model, table[0], rounds)
-            default = PREFETCH_CANDIDATES[0]
-            best = min(PREFETCH_CANDIDATES, key=lambda b: decision.prefetch_probe[str(b)])
-            if decision.prefetch_probe[str(best)] * 1.01 < decision.prefetch_probe[str(default)]:
-                decision.prefetch_bytes = best
-    if qlinear.available():
-        qlinear.set_prefetch(decision.prefetch_bytes)
-
-
-PREFETCH_CONTEXT = 512  # tokens of scratch context the prefetch probe's decode step attends to
-
-
-def _prefetch_times(model: Any, layers: Any, rounds: int) -> dict[str, float]:
-    """Milliseconds of one decode step's layers at one row, per candidate distance (best of rounds)."""
-    cfg, bs = model.config, 16
-    dtype = model.model.layers[0].input_layernorm.weight.dtype
-    context = min(PREFETCH_CONTEXT, model.rotary.cos.shape[0] - 1)  # within the RoPE table (max_model_len)
-    blocks = context // bs + 1
-    gen = torch.Generator().manual_seed(0)
-    kv = torch.randn(cfg.num_hidden_layers, 2, blocks, bs, cfg.num_key_value_heads, cfg.head_dim,
-                     generator=gen).to(dtype)
-    tables = torch.arange(blocks, dtype=torch.long).view(1, -1)
-    lens, slots = torch.tensor([context + 1]), torch.tensor([context])
-    cos, sin = model.rotary(slots, dtype)
-    attn = model.model.layers[0].self_attn
-    eps = model.model.layers[0].input_layernorm.eps
-
-    def runner(nbytes: int) -> Any:
-        def run() -> None:
-            qlinear.set_prefetch(nbytes)
-            emb = torch.randn(1, cfg.hidden_size, generator=gen).to(dtype)
-            kernels.decode_layers(layers, emb, cos, sin, kv, slots, tables, lens, attn.num_heads, attn.scale, eps)
-        return run
-    best = _best_in_turns({str(b): runner(b) for b in PREFETCH_CANDIDATES}, rounds)
-    return {k: round(v * 1e3, 3) for k, v in best.items()}
-
-
 def parse_rows4(text: str) -> dict[str, int]:
     """ROWS4_ENV's value as {format: rows4_min}: "N" or "off" for every format, or per format
     "FMT=N|off,..." (rows4_text writes it)."""
@@ -454,7 +387,7 @@ def _time(fn: Any, reps: int = 3) -> float:
     return best
 
 
-def _best_in_turns(runs: dict[str, Any], rounds: int) -> dict[str, float]:
+def best_in_turns(runs: dict[str, Any], rounds: int) -> dict[str, float]:
     """The best time of each run over `rounds` rounds in which the runs take turns (each warmed up
     once first): on a shared machine a burst of other work then hits one round of every run, not
     all of one."""
@@ -470,7 +403,7 @@ def _best_in_turns(runs: dict[str, Any], rounds: int) -> dict[str, float]:
 def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5) -> dict[str, float]:
     """Seconds per weight of one-row products streaming PROBE_BYTES of each format's weights.
 
-    The formats take turns, round after round, and each keeps its best round (_best_in_turns)."""
+    The formats take turns, round after round, and each keeps its best round (best_in_turns)."""
     n, k = PROBE_SHAPE
     gen = torch.Generator().manual_seed(0)
     store = "BF16" if act_dtype == torch.bfloat16 else "F32"
@@ -489,7 +422,7 @@ def _stream_costs(fmts: tuple[str, ...], act_dtype: torch.dtype, rounds: int = 5
             ws = ws if kf == fmt else [qlinear.repack(kf, w, n, k) for w in ws]
             scratch = torch.empty(max(1, qlinear.scratch_floats(kf, 1, k, act_dtype)))
             runs[fmt] = lambda ws=ws, kf=kf, scratch=scratch: [qlinear.linear(kf, w, n, k, x, out, scratch) for w in ws]
-    best = _best_in_turns(runs, rounds)
+    best = best_in_turns(runs, rounds)
     return {fmt: best[fmt] / sizes[fmt] for fmt in fmts}
 
 
@@ -507,7 +440,7 @@ def _batched_stream(fmt: str, act_dtype: torch.dtype, rounds: int = 3) -> dict[s
     x = torch.randn(BATCHED_ROWS, k).to(act_dtype)
     runs = {"resident": lambda: [F.linear(x, w) for w in dense],
             "tile": lambda: [(qlinear.dequant(fmt, w, n, k, tile), F.linear(x, tile)) for w in blocks]}
-    best = _best_in_turns(runs, rounds)
+    best = best_in_turns(runs, rounds)
     return {name: t / (copies * n * k) for name, t in best.items()}
 
 
@@ -526,7 +459,7 @@ def _rows4_formats(act_dtype: torch.dtype) -> tuple[str, ...]:
 def _rows4_table(act_dtype: torch.dtype, rounds: int = 2) -> dict[str, dict[str, dict[str, float]]]:
     """Seconds per weight at each of ROWS4_ROWS, four weight rows per pass ("four") against one
     ("one"), over PROBE_BYTES / 2 of each format's weights (beyond the caches, as a step reads them);
-    the two take turns, each keeping its best round (_best_in_turns)."""
+    the two take turns, each keeping its best round (best_in_turns)."""
     n, k = PROBE_SHAPE
     gen = torch.Generator().manual_seed(3)
     table: dict[str, dict[str, dict[str, float]]] = {}
@@ -549,7 +482,7 @@ def _rows4_table(act_dtype: torch.dtype, rounds: int = 2) -> dict[str, dict[str,
                     for w in ws:
                         qlinear.linear(fmt, w, n, k, x, out, scratch)
 
-                best = _best_in_turns({"four": lambda rows=rows: run(rows), "one": lambda: run(qlinear.ROWS4_OFF)},
+                best = best_in_turns({"four": lambda rows=rows: run(rows), "one": lambda: run(qlinear.ROWS4_OFF)},
                                       rounds)
                 table[fmt][str(rows)] = {m: t / (copies * n * k) for m, t in best.items()}
         finally:

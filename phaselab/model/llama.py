@@ -241,13 +241,13 @@ class LlamaForCausalLM(nn.Module):
         return self._layer_table
 
     def native_rows(self) -> int:
-        """The most rows every linear layer and the LM head run on the native kernel (their smallest
-        max_native_rows; 0 when any is not packed), cached until any layer's limit is set again."""
+        """The most rows every decoder layer's linear runs on the native kernel (their smallest
+        max_native_rows; 0 when the layers cannot run as one call), cached until any layer's limit is
+        set again (linear.native_rows_version)."""
         version, rows = self._native_rows
         if version != linear_mod.native_rows_version:
             table = self.layer_table()
-            mods = (*table[1], self.head) if table is not None and isinstance(self.head, PackedLinear) else ()
-            rows = min((m.max_native_rows for m in mods), default=0)
+            rows = min((m.max_native_rows for m in table[1]), default=0) if table is not None else 0
             self._native_rows = (linear_mod.native_rows_version, rows)
         return rows
 
@@ -290,10 +290,12 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         native = self.native_elementwise
         one_call = meta.fused_decode and native and self.decode_layers
-        if one_call and logits_indices is None and input_ids.shape[0] <= self.native_rows():
-            # a decode-only batch: embedding to logits in one native call, when the ends qualify
+        rows = input_ids.shape[0]
+        if one_call and logits_indices is None and rows <= self.native_rows():
+            # a decode-only batch: embedding to logits in one native call, when the ends qualify and
+            # the head too runs these rows on the kernel (decode_ends: the head is a PackedLinear)
             ends = self.decode_ends(kv_caches.dtype)
-            if ends is not None:
+            if ends is not None and rows <= self.head.max_native_rows:
                 a = self.model.layers[0].self_attn
                 return kernels.decode_forward(
                     self.layer_table()[0], ends, input_ids, positions, kv_caches, meta.slot_mapping,
@@ -303,8 +305,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, h.dtype)
         residual: torch.Tensor | None = None
         table = self.layer_table() if one_call else None
-        # (the linear layers' row limit read per call: tests and the start-up probe move it)
-        if table is not None and all(h.shape[0] <= x.max_native_rows for x in table[1]):
+        # (the layers' row limit, cached until a limit moves: tests and the start-up probe move them)
+        if table is not None and h.shape[0] <= self.native_rows():
             a = self.model.layers[0].self_attn
             residual = h
             h = kernels.decode_layers(table[0], residual, cos, sin, kv_caches, meta.slot_mapping,

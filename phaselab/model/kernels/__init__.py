@@ -457,129 +457,6 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class DecodeLayer(ctypes.Structure):
-    """One decoder layer's weights for `decode_layers` (decode_layers.c's dl_layer): qkv, o, gate_up
-    and down as qlinear reads them, and the two RMSNorm weights."""
-
-    _fields_ = [("fmt", ctypes.c_int32 * 4), ("w", ctypes.c_void_p * 4), ("n", ctypes.c_int64 * 4),
-                ("k", ctypes.c_int64 * 4), ("bias", ctypes.c_void_p * 4), ("norm_in", ctypes.c_void_p),
-                ("norm_post", ctypes.c_void_p)]
-
-
-def decode_layers(
-    layers: ctypes.Array,  # DecodeLayer per decoder layer (the tensors they point to kept alive by the caller)
-    emb: torch.Tensor,  # (B, hidden) the embedding: the residual stream, updated in place
-    cos: torch.Tensor,  # (B, D) in emb's dtype
-    sin: torch.Tensor,
-    kv_caches: torch.Tensor,  # (layers, 2, num_blocks, BS, KVH, D) in emb's dtype, contiguous
-    slot_mapping: torch.Tensor,  # (B,) int64
-    block_tables: torch.Tensor,  # (B, max_blocks) int64
-    seq_lens: torch.Tensor,  # (B,) int64
-    num_heads: int,
-    scale: float,
-    eps: float,
-) -> torch.Tensor:
-    """Every decoder layer of a decode-only batch in one call (decode_layers.c): the last layer's MLP
-    output (B, hidden); `emb` leaves as the residual stream. Bit-identical to the Python layer loop
-    on its native path (tests/test_decode_layers.py); shapes are the caller's to get right."""
-    from phaselab.model.kernels import qlinear
-
-    lib = _require("decode_layers")
-    _bind_qlinear(lib, qlinear)
-    out = torch.empty_like(emb)
-    rc = lib.decode_layers(
-        ctypes.addressof(layers), len(layers), emb.shape[0], int(emb.dtype == torch.bfloat16), None, emb.data_ptr(),
-        out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-        *_cache_args(kv_caches, slot_mapping, block_tables, seq_lens, num_heads, scale, eps))
-    if rc != 0:
-        raise RuntimeError(f"decode_layers failed (code {rc}: 1 = a shape or weight format the kernels refuse, "
-                           "2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one call at a time")
-    return out
-
-
-def _cache_args(kv_caches: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                seq_lens: torch.Tensor, num_heads: int, scale: float, eps: float) -> tuple:
-    """decode_layers.c's trailing arguments, shared by its two entry points: the cache (its first
-    layer's K, the byte strides to the next layer's and to V), the slots, block tables and lengths,
-    the head counts and sizes, the attention scale and the norm eps."""
-    _, _, _, BS, KVH, D = kv_caches.shape
-    el = kv_caches.element_size()
-    return (kv_caches.data_ptr(), kv_caches.stride(0) * el, kv_caches.stride(1) * el, slot_mapping.data_ptr(),
-            block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), num_heads, KVH, D, BS, scale, eps)
-
-
-class DecodeEnds(ctypes.Structure):
-    """The model's two ends around the layers for `decode_forward` (decode_layers.c's df_ends): the
-    embedding rows as stored, the RoPE tables, the final norm's weight and the LM head."""
-
-    _fields_ = [("emb_fmt", ctypes.c_int32), ("emb", ctypes.c_void_p), ("vocab_in", ctypes.c_int64),
-                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("max_pos", ctypes.c_int64),
-                ("norm", ctypes.c_void_p), ("head_fmt", ctypes.c_int32), ("head", ctypes.c_void_p),
-                ("vocab", ctypes.c_int64)]
-
-
-def decode_forward(
-    layers: ctypes.Array,  # DecodeLayer per decoder layer
-    ends: DecodeEnds,  # the tensors it points to kept alive by the caller
-    input_ids: torch.Tensor,  # (B,) int64
-    positions: torch.Tensor,  # (B,) int64
-    kv_caches: torch.Tensor,  # (layers, 2, num_blocks, BS, KVH, D) in the activation dtype, contiguous
-    slot_mapping: torch.Tensor,  # (B,) int64
-    block_tables: torch.Tensor,  # (B, max_blocks) int64
-    seq_lens: torch.Tensor,  # (B,) int64
-    num_heads: int,
-    scale: float,
-    eps: float,
-    bf16: bool,
-) -> torch.Tensor:
-    """A decode-only batch's whole forward in one call (decode_layers.c): the embedding lookup, the
-    RoPE rows, every decoder layer, the final norm and the LM head; float32 logits (B, vocab).
-    Bit-identical to the model's forward with `decode_layers` and its Python ends
-    (tests/test_decode_layers.py); shapes are the caller's to get right."""
-    from phaselab.model.kernels import qlinear
-
-    lib = _require("decode_forward")
-    _bind_qlinear(lib, qlinear)
-    B = input_ids.shape[0]
-    logits = torch.empty((B, ends.vocab), dtype=torch.float32)
-    rc = lib.decode_forward(
-        ctypes.addressof(layers), len(layers), ctypes.addressof(ends), B, int(bf16), input_ids.data_ptr(),
-        positions.data_ptr(), logits.data_ptr(),
-        *_cache_args(kv_caches, slot_mapping, block_tables, seq_lens, num_heads, scale, eps))
-    if rc != 0:
-        raise RuntimeError(f"decode_forward failed (code {rc}: 1 = a shape, weight format, token id or position "
-                           "the kernels refuse, 2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one "
-                           "call at a time")
-    return logits
-
-
-# decode_layers.c's profile kinds, in its order (embed and head: decode_forward's ends)
-DECODE_LAYERS_KINDS = ("qkv", "o", "gate_up", "down", "attention", "norm", "silu_mul", "embed", "head")
-
-
-def decode_layers_profile(on: bool) -> dict[str, float]:
-    """Start (zeroing) or stop timing decode_layers' kernel calls; returns the seconds per kind
-    summed since the last start (wall time of each call, on the calling thread)."""
-    lib = _require("decode_layers")
-    ns = (ctypes.c_int64 * len(DECODE_LAYERS_KINDS))()
-    lib.decode_layers_profile(int(on), ns)
-    return {k: v / 1e9 for k, v in zip(DECODE_LAYERS_KINDS, ns)}
-
-
-_qlinear_bound = False
-
-
-def _bind_qlinear(lib: ctypes.CDLL, qlinear) -> None:  # type: ignore[no-untyped-def]
-    """Hand qlinear.c's entry points (the kernel, the row lookup) to decode_layers.c once (the two
-    are separate libraries)."""
-    global _qlinear_bound
-    if not _qlinear_bound:
-        ql = qlinear._lib_or_raise()
-        lib.decode_layers_set_qlinear(ctypes.cast(ql.qlinear, ctypes.c_void_p),
-                                      ctypes.cast(ql.dequant_rows, ctypes.c_void_p))
-        _qlinear_bound = True
-
-
 def rope_write_kv(
     qkv: torch.Tensor,  # (T, (H + 2*KVH) * D) bfloat16, rows contiguous
     cos: torch.Tensor,  # (T, D) bfloat16
@@ -600,3 +477,9 @@ def rope_write_kv(
     if rc != 0:
         raise RuntimeError(f"rope_write_kv failed (code {rc}: 1 = unsupported shape)")
     return q
+
+
+# the decoder layers, or a decode step's whole forward, in one native call (decode_call.py); at the
+# end: that module reads _require from here
+from phaselab.model.kernels.decode_call import (  # noqa: E402,F401 (re-exported)
+    DECODE_LAYERS_KINDS, DecodeEnds, DecodeLayer, decode_forward, decode_layers, decode_layers_profile)

@@ -97,6 +97,13 @@ typedef struct {
 
 static _Thread_local pl_buf tl_buf;
 
+/* bytes of scratch qlinear needs (qlinear_scratch_floats) for M rows of K inputs, any format: the
+ * widest need is Q4_1L with bf16 rows, or on AMX Q4_1X's reordered rows beside B tiles of up to 15
+ * padding rows (M K / 2 + (M + 15) K / 2 + 16) */
+static inline size_t qlinear_scratch_bytes(int64_t M, int64_t K) {
+    return (size_t)(2 * M * K + M * (K / 32) + 8 * K + 16) * sizeof(float);
+}
+
 static inline int norm(int bf16, const void *x, void *res, const void *w, void *out, int64_t M, int64_t N, float eps) {
     return bf16 ? add_rms_norm((const uint16_t *)x, (uint16_t *)res, (const uint16_t *)w, (uint16_t *)out, M, N, eps)
                 : add_rms_norm_f32((const float *)x, (float *)res, (const float *)w, (float *)out, M, N, eps);
@@ -121,9 +128,7 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
         }
     /* x, a: (M, hidden); big: qkv / gate_up outputs; mid: attention / silu outputs; scratch: float32 */
     const size_t sx = (size_t)(M * hidden) * el, sbig = (size_t)(M * widest) * el, smid = sbig;
-    /* qlinear's scratch (qlinear_scratch_floats): the widest need is Q4_1L with bf16 rows, or on
-     * AMX Q4_1X's reordered rows beside B tiles of up to 15 padding rows (M K / 2 + (M + 15) K / 2 + 16) */
-    const size_t sscr = (size_t)(2 * M * deepest + M * (deepest / 32) + 8 * deepest + 16) * sizeof(float);
+    const size_t sscr = qlinear_scratch_bytes(M, deepest);
     char *buf = pl_grow(&tl_buf, 2 * sx + sbig + smid + sscr + 64);
     if (!buf) return 2;
     void *x = buf, *a = buf + sx, *big = buf + 2 * sx, *mid = buf + 2 * sx + sbig;
@@ -212,7 +217,7 @@ int decode_forward(const dl_layer *L, int64_t num_layers, const df_ends *E, int6
     /* residual, h, x: (M, hidden); cos, sin: (M, D); logits in the activation dtype (bf16 only: a
      * float32 model's head writes `logits` directly); the head's scratch (qlinear_scratch_floats) */
     const size_t sh = (size_t)(M * hidden) * el, sd = (size_t)(M * D) * el, sl = bf16 ? (size_t)(M * V) * el : 0;
-    const size_t sscr = (size_t)(2 * M * hidden + M * (hidden / 32) + 8 * hidden + 16) * sizeof(float);
+    const size_t sscr = qlinear_scratch_bytes(M, hidden);
     char *buf = pl_grow(&tl_fwd, 3 * sh + 2 * sd + sl + sscr + 64 * 8);
     if (!buf) return 2;
     char *p = (char *)(((uintptr_t)buf + 63) & ~(uintptr_t)63);

@@ -72,7 +72,7 @@ enum { FMT_F32 = 0, FMT_BF16 = 1, FMT_Q8_0 = 2, FMT_Q4_0 = 3, FMT_Q4_1 = 4, FMT_
  * d/m and tail-block lines are covered too). The best distance depends on the CPU: on the AMD EPYC with AVX512-BF16
  * the step's layers streamed at 24.2 GB/s 2 KiB ahead and 22.3 GB/s 4 KiB ahead (group-based prefetch); on the AMX Xeon a
  * batch-1 step's layers took 3.26 ms 4 KiB ahead and 3.54 ms 2 KiB ahead. So the engine measures it
- * at start-up on the model's own layers (linear_probe.choose_prefetch; PHASELAB_PREFETCH_BYTES
+ * at start-up on the model's own layers (prefetch_probe.choose; PHASELAB_PREFETCH_BYTES
  * forces it) and sets it here. */
 #define Q41X_PREFETCH_DEFAULT 2048
 static int64_t g_q41x_prefetch = Q41X_PREFETCH_DEFAULT;

@@ -159,7 +159,7 @@ def rows4_min(fmt: str) -> int:
 
 def set_prefetch(nbytes: int) -> None:
     """How far ahead in the weight stream the Q4_1X kernel prefetches a row (process-wide; the
-    engine measures it at start-up: linear_probe.choose_prefetch). 0: the kernel's default."""
+    engine measures it at start-up: prefetch_probe.choose). 0: the kernel's default."""
     _lib_or_raise().qlinear_set_prefetch(int(nbytes))
 
 
