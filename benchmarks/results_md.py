@@ -522,7 +522,8 @@ def issue18_served_section(results: str) -> list[str]:
 
 
 def served_sections(results: str, served: str | None) -> list[str]:
-    """One section per machine, named by its CPU (the machines change between runs; see DESIGN.md 7)."""
+    """One section per machine, named by its CPU (the machines change between runs: docs/architecture.md,
+    "How performance is measured")."""
     out: list[str] = []
     runs = []
     for stem, what, cmd in SERVED_OTHER_MACHINES:

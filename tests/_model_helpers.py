@@ -84,11 +84,11 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0].float()
 
 
-NEAR_TIE = 1e-3  # DESIGN.md: a divergence where both candidates' fp32 logits are this close is a tie
+NEAR_TIE = 1e-3  # docs/architecture.md's near-tie rule: both candidates' fp32 logits this close is a tie
 
 
 def compare_greedy(ours: list[int], ref: list[int], prompt: list[int], ref_logits_fn) -> str | None:
-    """Token-identical, with DESIGN.md's one allowance.
+    """Token-identical, with the one allowance of docs/architecture.md (the near-tie rule).
 
     Returns None when equal, or a report of the near-tie at which they diverged (the comparison
     stops there). Raises AssertionError for a real divergence.

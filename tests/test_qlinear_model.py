@@ -264,7 +264,7 @@ def test_bundled_greedy_token_identical_to_dequantized(engines):
         return [done[i] for i in ids]
 
     ours, want = run(q), run(ref)
-    # compare_greedy raises on a real divergence; a near-tie (DESIGN.md) is reported, not failed
+    # compare_greedy raises on a real divergence; a near-tie (docs/architecture.md) is reported, not failed
     ties = [t for o, w, p in zip(ours, want, prompts) if (t := compare_greedy(o, w, p, ref.score))]
     if ties:
         warnings.warn("; ".join(ties))
