@@ -134,33 +134,6 @@ def targets_section(eng: dict, served_md: str | None) -> list[str]:
     return out + [""]
 
 
-def served_fp32_section(alt: dict | None, main: dict | None) -> list[str]:
-    """phaselab served in float32 (the faster dtype on a CPU without AMX) next to the main run's peers."""
-    if not alt or "phaselab" not in alt.get("servers", {}):
-        return []
-    ph = alt["servers"]["phaselab"]
-    peers = (main or {}).get("servers", {})
-    out = ["### phaselab served in float32 (a separate run of the same script, same workloads and seeds)", "",
-           f"`{ph.get('settings', {}).get('command', '')}`; {alt.get('date', '')}. Ratios against the peers of the main"
-           " run above (same machine, same client, same prompts; not the same minute).", "",
-           "| workload | out tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | out tok/s / vLLM | TTFT p50 / vLLM | ITL p99 / vLLM"
-           " | out tok/s / llama.cpp bf16 |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, w in ph.get("workloads", {}).items():
-        v = peers.get("vllm", {}).get("workloads", {}).get(name, {})
-        lb = peers.get("llamacpp-bf16", {}).get("workloads", {}).get(name, {})
-
-        def ratio(a: float | None, b: float | None) -> str:
-            return "-" if not a or not b else f"{a / b:.2f}x"
-
-        out.append(f"| {name} | {fmt(w.get('output_throughput'))} | {fmt(w.get('median_ttft_ms'), 0)} "
-                   f"| {fmt(w.get('median_itl_ms'))} | {fmt(w.get('p99_itl_ms'), 0)} "
-                   f"| {ratio(w.get('output_throughput'), v.get('output_throughput'))} "
-                   f"| {ratio(w.get('median_ttft_ms'), v.get('median_ttft_ms'))} "
-                   f"| {ratio(w.get('p99_itl_ms'), v.get('p99_itl_ms'))} "
-                   f"| {ratio(w.get('output_throughput'), lb.get('output_throughput'))} |")
-    return out + [""]
-
-
 def fidelity_section(fid: dict | None) -> list[str]:
     if not fid:
         return ["## Simulator self-fidelity", "", "Run `python benchmarks/sim_fidelity.py`.", ""]
@@ -402,56 +375,33 @@ def slo_section(r: dict | None) -> list[str]:
     return out
 
 
-# served runs on other machines than serve_vs_peers.json's, newest first: (file stem, what it adds,
-# how it was made)
-SERVED_OTHER_MACHINES = [
-    ("serve_vs_peers_epyc_quiet", ", third run, the machine otherwise idle (2026-12-02, load about 1)",
-     "python benchmarks/serve_vs_peers.py --servers phaselab vllm llamacpp --llamacpp-quants Q4_1 "
-     "--phaselab-dtype auto --peers-home ~/.cache/phaselab-peers --no-merge "
-     "--out benchmarks/results/serve_vs_peers_epyc_quiet.json"),
-    ("serve_vs_peers_epyc_quiet_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the third run)",
-     "python benchmarks/serve_vs_peers.py --servers vllm --vllm-threads-bind 0-1 --peers-home "
-     "~/.cache/phaselab-peers --no-merge --out benchmarks/results/serve_vs_peers_epyc_quiet_vllm_2threads.json"),
-    ("serve_vs_peers_epyc_run2", ", second run (load 4-7)",
-     "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
-     "--out benchmarks/results/serve_vs_peers_epyc_run2.json, then --servers llamacpp --llamacpp-quants Q4_1 "
-     "into the same file"),
-    ("serve_vs_peers_epyc", ", first run (load 11-21)",
-     "python benchmarks/serve_vs_peers.py --servers phaselab vllm --phaselab-dtype auto --no-merge "
-     "--out benchmarks/results/serve_vs_peers_epyc.json"),
-    ("serve_vs_peers_epyc_vllm_2threads", ", vLLM on 2 OpenMP threads (right after the first run)",
-     "python benchmarks/serve_vs_peers.py --servers vllm --vllm-threads-bind 0-1 --no-merge "
-     "--out benchmarks/results/serve_vs_peers_epyc_vllm_2threads.json"),
-]
+# Served tables measured before the rounds protocol (one round per server, a fixed order, four requests
+# at concurrency 1, llama.cpp at -t 2 under OMP_WAIT_POLICY=PASSIVE without a search): withdrawn from
+# this document (issue 35); their JSON files stay in results/ as a record.
+WITHDRAWN_SERVED = ("serve_vs_peers_epyc*", "serve_vs_peers_xeon_amx*", "serve_vs_peers_phaselab_fp32",
+                    "wait_policy_served_*")
 
 
-# issue 18's served comparison: (when, phaselab + vLLM at its default, vLLM on 2 threads right after,
-# phaselab before the change right after that), all on the machine at hand, one server at a time
-ISSUE18_SERVED_RUNS = [
-    ("2026-12-05 just after midnight on the AMX Xeon (head 0c479ff): the whole decode forward in one call, "
-     "attention's rows requested up front, Q4_1X prefetch measured per CPU; 'before' is phaselab at dbbfca9 "
-     "(a git worktree, the same script run from it)", "serve_vs_peers_xeon_amx_s38",
-     "serve_vs_peers_xeon_amx_s38_vllm2t", "serve_vs_peers_xeon_amx_s38_before", "dbbfca9"),
-    ("2026-12-03 midday (head 6780111): the four-weight-row pass from a probed row count per format (no "
-     "llama.cpp in this round)", "serve_vs_peers_epyc_rows4", "serve_vs_peers_epyc_rows4_vllm_2threads",
-     "serve_vs_peers_epyc_rows4_before", "PHASELAB_ROWS4_MIN=4"),
-    ("2026-12-03 morning (head 0264d41): Q4_1X, the Q4_1 blocks re-laid for vdpbf16ps (no llama.cpp in "
-     "this round)", "serve_vs_peers_epyc_q4x", "serve_vs_peers_epyc_q4x_vllm_2threads",
-     "serve_vs_peers_epyc_q4x_before", "PHASELAB_Q4_REPACK=0"),
-    ("2026-12-02 night, second runs (head 979ec11): native prefill attention, elementwise, RoPE + K/V "
-     "write, vector exp in the decode softmax", "serve_vs_peers_epyc_prefill",
-     "serve_vs_peers_epyc_prefill_vllm_2threads", "serve_vs_peers_epyc_prefill_before",
-     "PHASELAB_PREFILL_ATTN=torch PHASELAB_NATIVE_ELEMENTWISE=0"),
-    ("2026-12-02 night, first runs (518c3d0: native prefill attention and elementwise kernels; the 'before' "
-     "run from a worktree of that commit)", "serve_vs_peers_epyc_prefill518",
-     "serve_vs_peers_epyc_prefill518_vllm_2threads", "serve_vs_peers_epyc_prefill518_before",
-     "PHASELAB_PREFILL_ATTN=torch PHASELAB_NATIVE_ELEMENTWISE=0"),
-    ("2026-12-02 evening: the kernel pool and the fused decode path", "serve_vs_peers_epyc_fused",
-     "serve_vs_peers_epyc_fused_vllm_2threads", "serve_vs_peers_epyc_fused_before",
-     "PHASELAB_POOL=0 PHASELAB_FUSED_DECODE=0"),
-    ("2026-12-02 late afternoon: the kernel pool alone", "serve_vs_peers_epyc_pool",
-     "serve_vs_peers_epyc_pool_vllm_2threads", "serve_vs_peers_epyc_pool_team", "PHASELAB_POOL=0"),
-]
+def served_section(results: str, doc: dict | None, served_md: str | None) -> list[str]:
+    """The rounds protocol's table (serve_vs_peers.md, rendered by the script from its JSON), then the
+    list of withdrawn one-round tables."""
+    import glob
+
+    out: list[str] = []
+    if doc is not None and doc.get("protocol") and served_md:
+        out += served_md.strip().splitlines() + [""]
+    else:
+        out += ["No results of the rounds protocol yet: run `python benchmarks/serve_vs_peers.py` (about 40 "
+                "minutes with the peers of `../shared/peers` installed).", ""]
+    old = sorted({os.path.basename(p) for pat in WITHDRAWN_SERVED for p in glob.glob(os.path.join(results, pat + ".json"))})
+    if old:
+        out += ["**Withdrawn.** The served tables of earlier sessions were measured with one round per server "
+                "in a fixed order, four requests at concurrency 1, vLLM at one thread binding per run and "
+                "llama.cpp at `-t 2` under `OMP_WAIT_POLICY=PASSIVE` (3x slower in its own llama-bench than "
+                "with the OpenMP default on the AMX Xeon), with no search of either peer's settings. None of "
+                "their ratios is carried here; their files stay in `benchmarks/results/` as a record: "
+                + ", ".join(f"`{f}`" for f in old) + ".", ""]
+    return out
 
 
 def notes_sections(results: str) -> list[str]:
@@ -465,81 +415,6 @@ def notes_sections(results: str) -> list[str]:
     for name in sorted((f for f in os.listdir(folder) if f.endswith(".md")), reverse=True):
         with open(os.path.join(folder, name)) as f:
             out += f.read().rstrip("\n").splitlines() + [""]
-    return out
-
-
-def issue18_served_section(results: str) -> list[str]:
-    """Issue 18's served table: phaselab now and before, vLLM at 1 and 2 OpenMP threads, same session."""
-    out: list[str] = []
-    for when, main, vllm2, before, before_env in ISSUE18_SERVED_RUNS:
-        runs = [load(os.path.join(results, f + ".json")) for f in (main, vllm2, before)]
-        if any(r is None for r in runs):
-            continue
-        m, v2, b = runs
-        cpu = m.get("machine", {}).get("cpu_model") or m.get("machine", {}).get("cpu", "?")
-        cols = {"phaselab": m["servers"].get("phaselab"), f"phaselab before ({before_env})": b["servers"].get("phaselab"),
-                "vLLM 1 thread (default)": m["servers"].get("vllm"), "vLLM 2 threads": v2["servers"].get("vllm")}
-        if any(c is None for c in cols.values()):
-            continue
-        llama = m["servers"].get("llamacpp-q4_1")
-        if not (llama and llama.get("workloads")):  # the same Q4_1 file, when it ran in the first run
-            llama = None
-        else:
-            cols["llama.cpp Q4_1"] = llama
-        # a before run is either the same tree with switches off (`ENV=... serve_vs_peers.py`) or an
-        # earlier commit's worktree (before_env a commit id)
-        before_cmd = (f"the same script from a worktree of {before_env} (`--servers phaselab`)"
-                      if all(ch in "0123456789abcdef" for ch in before_env) else f"`{before_env} ... --servers phaselab`")
-        out += [f"### Issue 18's served table, {when}", "",
-                f"{cpu}. Three runs of `benchmarks/serve_vs_peers.py` back to back (`--servers phaselab vllm "
-                f"--phaselab-dtype auto`, then `--servers vllm --vllm-threads-bind 0-1`, then {before_cmd}; outputs `{main}.json`, `{vllm2}.json`, `{before}.json`), one server at a "
-                "time, same client, workloads and seeds. Output tok/s, then ITL p50 / p99 ms; the last column is "
-                "phaselab's output tok/s over the better vLLM's (>= 1.00x is the issue's target)"
-                + (", and over llama.cpp's (llama.cpp ran in the first of the three runs, `-t 2 -tb 2`)." if llama else "."), "",
-                "| workload | " + " | ".join(cols) + " | phaselab / best vLLM |" + (" phaselab / llama.cpp |" if llama else ""),
-                "|---|" + "---|" * (len(cols) + 1 + bool(llama))]
-        for w in cols["phaselab"]["workloads"]:
-            vals = [c["workloads"].get(w) for c in cols.values()]
-            if any(v is None for v in vals):
-                continue
-            cells = [f"{v['output_throughput']:.1f} ({v['median_itl_ms']:.1f} / {v['p99_itl_ms']:.0f})" for v in vals]
-            best = max(vals[2]["output_throughput"], vals[3]["output_throughput"])
-            row = f"| {w} | " + " | ".join(cells) + f" | {vals[0]['output_throughput'] / best:.2f}x |"
-            if llama:
-                row += f" {vals[0]['output_throughput'] / vals[4]['output_throughput']:.2f}x |"
-            out.append(row)
-        failed = [f"{k} ({v['error'].split(';')[0]})" for r in runs for k, v in r["servers"].items() if v.get("error")]
-        if failed:
-            out += ["", "Did not run: " + "; ".join(failed) + ". llama.cpp's figures are in the earlier runs below."]
-        c1 = [c["workloads"].get("random-c1") for c in cols.values()]
-        if all(c1):
-            best_itl = min(c1[2]["median_itl_ms"], c1[3]["median_itl_ms"])
-            out += ["", f"Concurrency-1 ITL p50: phaselab {c1[0]['median_itl_ms']:.1f} ms, before "
-                        f"{c1[1]['median_itl_ms']:.1f} ms, the better vLLM {best_itl:.1f} ms: "
-                        f"{c1[0]['median_itl_ms'] / best_itl:.2f}x (the issue's target: <= 0.6x)."]
-        out.append("")
-    return out
-
-
-def served_sections(results: str, served: str | None) -> list[str]:
-    """One section per machine, named by its CPU (the machines change between runs: docs/architecture.md,
-    "How performance is measured")."""
-    out: list[str] = []
-    runs = []
-    for stem, what, cmd in SERVED_OTHER_MACHINES:
-        path = os.path.join(results, stem + ".md")
-        if os.path.exists(path):
-            runs.append((open(path).read(), what, cmd))
-    if served:
-        runs.append((served, "", "python benchmarks/serve_vs_peers.py"))
-    if not runs:
-        return ["Run `python benchmarks/serve_vs_peers.py`.", ""]
-    for md, what, cmd in runs:
-        first, _, rest = md.partition("\n")
-        date = first.rsplit("(", 1)[-1].rstrip(") ") if "(" in first else "?"
-        machine = next((ln for ln in rest.splitlines() if ln.startswith("Machine: ")), "Machine: ?")
-        cpu = machine.removeprefix("Machine: ").split(",")[0]
-        out += [f"### {cpu} ({date}){what}", "", f"Command: `{cmd}`.", "", rest.strip(), ""]
     return out
 
 
@@ -667,12 +542,15 @@ def main() -> None:
         lines += ["Run `python benchmarks/roofline.py && python benchmarks/engine.py` first.", ""]
     else:
         lines += machine_section(eng, roof) + targets_section(eng, served) + engine_section(eng)
-    lines += ["## Served, same client, one server at a time (`benchmarks/serve_vs_peers.py`)", ""]
-    lines += notes_sections(ns.results)
-    lines += issue18_served_section(ns.results)
-    lines += served_sections(ns.results, served)
-    lines += served_fp32_section(load(os.path.join(ns.results, "serve_vs_peers_phaselab_fp32.json")),
-                                 load(os.path.join(ns.results, "serve_vs_peers.json")))
+    lines += ["## Served against vLLM and llama.cpp, each at its best (`benchmarks/serve_vs_peers.py`)", ""]
+    lines += served_section(ns.results, load(os.path.join(ns.results, "serve_vs_peers.json")), served)
+    notes = notes_sections(ns.results)
+    if notes:
+        lines += ["## Kernel and decode-step analyses (session notes, issue 18)", "",
+                  "Hand-written analyses of the sessions that tuned the kernels, newest first. The served "
+                  "ratios against vLLM and llama.cpp quoted in them come from the withdrawn one-round tables "
+                  "(previous section): read the protocol's table above for those.", ""]
+        lines += notes
     lines += fidelity_section(fid)
     lines += validation_section(load(os.path.join(ns.results, "sim_validation.json")))
     lin = load(os.path.join(ns.results, "linear.json"))
@@ -690,8 +568,8 @@ def main() -> None:
     served_policies = {name: load(os.path.join(ns.results, f"wait_policy_served_{stem}.json"))
                        for name, stem in (("spin-20000", "spin"), ("PASSIVE", "passive"), ("pool", "pool"),
                                           ("pool+spin-20000", "pool_spin"))}
-    lines += wait_policy_section(load(os.path.join(ns.results, "wait_policy.json")),
-                                 {k: v for k, v in served_policies.items() if v is not None})
+    lines += wait_policy_section(load(os.path.join(ns.results, "wait_policy.json")), None)
+    del served_policies  # their served runs (one round each) are withdrawn with the peer tables
     with open(ns.out, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
     print(f"wrote {ns.out}")
