@@ -393,14 +393,15 @@ def served_section(results: str, doc: dict | None, served_md: str | None) -> lis
     else:
         out += ["No results of the rounds protocol yet: run `python benchmarks/serve_vs_peers.py` (about 40 "
                 "minutes with the peers of `../shared/peers` installed).", ""]
-    old = sorted({os.path.basename(p) for pat in WITHDRAWN_SERVED for p in glob.glob(os.path.join(results, pat + ".json"))})
+    old = [f"`{pat}.json` ({n})" for pat in WITHDRAWN_SERVED
+           if (n := len(glob.glob(os.path.join(results, pat + ".json"))))]
     if old:
         out += ["**Withdrawn.** The served tables of earlier sessions were measured with one round per server "
                 "in a fixed order, four requests at concurrency 1, vLLM at one thread binding per run and "
                 "llama.cpp at `-t 2` under `OMP_WAIT_POLICY=PASSIVE` (3x slower in its own llama-bench than "
                 "with the OpenMP default on the AMX Xeon), with no search of either peer's settings. None of "
                 "their ratios is carried here; their files stay in `benchmarks/results/` as a record: "
-                + ", ".join(f"`{f}`" for f in old) + ".", ""]
+                + ", ".join(old) + ".", ""]
     return out
 
 
