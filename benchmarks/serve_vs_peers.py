@@ -112,8 +112,10 @@ GRID: dict[str, list[Candidate]] = {
                   why="OpenMP threads sleep at barriers"),
         Candidate("llamacpp", "t2 spin 10000", {"THREADS": "2", "OMP_WAIT_POLICY": None, "GOMP_SPINCOUNT": "10000"},
                   why="a bounded spin"),
+        Candidate("llamacpp", "t2 OpenMP default -ub 2048", {"THREADS": "2", "UBATCH": "2048", **_UNSET_OMP},
+                  why="prompts arriving together prefill in one 2048-token ubatch instead of four of 512"),
         Candidate("llamacpp", "t2 OpenMP default", {"THREADS": "2", **_UNSET_OMP},
-                  why="ggml's barriers are written to spin; serve.sh's default"),
+                  why="ggml's barriers are written to spin; serve.sh's default (-np 32 for c32, -ub 512)"),
     ],
 }
 
@@ -140,8 +142,8 @@ def make_server(c: Candidate, key: str, port: int, ns: argparse.Namespace, quant
     return PeerServer(key, "llamacpp", port, ns.peers_dir, ns.peers_home, env, {
         "candidate": c.name, "weights": {"Q4_1": "Q4_1 (the packaged GGUF itself)",
                                          "bf16": "bf16 (GGUF converted from the HF copy)"}.get(quant, quant),
-        "policy": "32 slots x 1280 tokens, --cont-batching, -b 2048 -ub 512, f16 KV, --no-repack (this build's "
-                  "AMX Q4_1 kernels crash), slot prompt cache (defaults)"})
+        "policy": f"32 slots x 1280 tokens, --cont-batching, -b 2048 -ub {env.get('UBATCH') or 512}, f16 KV, "
+                  "--no-repack (this build's AMX Q4_1 kernels crash), slot prompt cache (defaults)"})
 
 
 def installed(family: str, ns: argparse.Namespace) -> str | None:

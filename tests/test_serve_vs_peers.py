@@ -108,15 +108,41 @@ def test_loadavg_and_port_helpers():
     assert ps.wait_port_free(port, timeout_s=5)
 
 
+_SPINNER = r"""
+import select, sys, time
+while True:                       # spin in 20 ms slices; asked (a line on stdin), report this process's CPU clock
+    t = time.monotonic()
+    while time.monotonic() - t < 0.02:
+        pass
+    if select.select([sys.stdin], [], [], 0)[0]:
+        sys.stdin.readline()
+        print(time.process_time(), flush=True)
+"""
+
+
+def _ask(proc) -> float:
+    proc.stdin.write("?\n")
+    proc.stdin.flush()
+    return float(proc.stdout.readline())
+
+
 @linux_proc
 def test_cpu_share_attributes_a_busy_child_to_the_server():
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 30: pass"])
+    # truth: the child's own CPU clock (clock_gettime(CLOCK_PROCESS_CPUTIME_ID)), not /proc's jiffies;
+    # whatever share of the cores a loaded machine gives it, CpuShare must count the same CPU time
+    busy = subprocess.Popen([sys.executable, "-c", _SPINNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.2)
+        _ask(busy)
+        p0 = _ask(busy)
         share = ps.CpuShare(busy.pid)
-        time.sleep(1.0)
+        t0 = time.monotonic()
+        time.sleep(2.0)
         r = share.result()
-        assert r["server_cores"] > 0.3  # a spinning process: close to one core unless the machine is saturated
+        wall = time.monotonic() - t0
+        p1 = _ask(busy)  # answered within one 20 ms slice after result()
+        own = (p1 - p0) / wall
+        # two 20 ms slices at the ends and 10 ms jiffies, over 2 s: 0.05 cores at most
+        assert r["server_cores"] == pytest.approx(own, abs=0.05)
         assert r["machine_busy_cores"] >= r["server_cores"] - 0.05
         # the rest of the machine's busy time is what the server did not use (never below zero)
         assert r["other_cores_incl_client"] == pytest.approx(max(0.0, r["machine_busy_cores"] - r["server_cores"]))
@@ -124,8 +150,6 @@ def test_cpu_share_attributes_a_busy_child_to_the_server():
         busy.kill()
         busy.wait()
     assert ps.process_cpu_jiffies(busy.pid) == 0
-
-
 
 
 # -- the protocol ---------------------------------------------------------------------------------
