@@ -57,7 +57,7 @@ class EngineArgs:
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of identical prefixes"})
     seed: int = field(default=0, metadata={"help": "seed of unseeded requests' random draws"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
-    measure_ceilings: bool = field(default=False, metadata={"help": "measure this host's GEMM rate and read bandwidth at start (a few seconds) and record them in the run directory; `phaselab simulate calibrate` bounds its fit by them"})
+    measure_ceilings: bool = field(default=False, metadata={"help": "record this host's GEMM rate and read bandwidth in the run directory (measured once per CPU, threads, dtype and model, a few seconds, and cached: ~/.cache/phaselab/ceilings, PHASELAB_CEILINGS_DIR moves it); `phaselab simulate calibrate` bounds its fit by them and `phaselab diagnose` prints its floors against them"})
     # -- deployment (docs/disaggregation.md) --
     mode: str = field(default="colocated", metadata={"choices": MODES, "help": "colocated (one engine) | disagg (prefill and decode worker pools on Ray)"})
     prefill_workers: int = field(default=1, metadata={"help": "disagg: prefill workers (Ray actors)"})

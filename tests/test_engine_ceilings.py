@@ -60,7 +60,8 @@ def tiny_model(tmp_path_factory):
     return write_hf_dir(str(tmp_path_factory.mktemp("tiny")), cfg, random_weights(cfg))
 
 
-def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_model, tmp_path):
+def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PHASELAB_CEILINGS_DIR", str(tmp_path / "cache"))
     from phaselab.config import EngineArgs
     from phaselab.core.sampling_params import SamplingParams
     from phaselab.serving_engine import make_engine
@@ -90,3 +91,44 @@ def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_mo
     measured = json.loads(host.read_text())
     assert measured["host"]["dtype"] == "float32" and measured["host"]["model"] == cfg["model"]["config"]["name"]
     assert measured["host"]["threads"] == cfg["machine"]["torch_num_threads"]
+
+
+def test_host_ceilings_are_measured_once_per_key_and_never_another_cpus(tmp_path, monkeypatch):
+    """The cache (phaselab/sim/host.py): one file per CPU, threads, dtype and model shapes; a second call
+    reads it; a file at the key's path that names another CPU is measured over; a run of this CPU without
+    recorded ceilings is priced (calibrate) and floored (diagnose) against the cached ones, a run of
+    another CPU never is."""
+    import dataclasses
+
+    import phaselab.engine.ceilings as ce
+    from phaselab.analysis.machine import load_ceilings
+    from phaselab.sim.host import run_hardware
+
+    monkeypatch.setenv("PHASELAB_CEILINGS_DIR", str(tmp_path))
+    calls = []
+    real = ce.measure_ceilings
+    monkeypatch.setattr(ce, "measure_ceilings", lambda *a, **k: calls.append(1) or real(*a, **{**k, **QUICK}))
+    first = ce.host_ceilings(TINY, torch.float32)
+    second = ce.host_ceilings(TINY, torch.float32)
+    assert len(calls) == 1 and second["peak_flops"] == first["peak_flops"]
+    (f,) = tmp_path.glob("ceilings-*.json")
+    assert second["host"]["cache_file"] == str(f) and f"-{torch.get_num_threads()}t-float32-" in f.name
+    forged = json.loads(f.read_text())
+    forged["host"]["cpu_model"], forged["peak_flops"] = "Other CPU 1", 1.0
+    f.write_text(json.dumps(forged))
+    third = ce.host_ceilings(TINY, torch.float32)
+    assert len(calls) == 2 and third["peak_flops"] != 1.0
+    ce.host_ceilings(TINY, torch.bfloat16)  # another key, its own file
+    assert len(calls) == 3 and len(list(tmp_path.glob("ceilings-*.json"))) == 2
+
+    ident = ce.cpu_identity()
+    run = {"dtype": "float32", "model": {"config": dataclasses.asdict(TINY)},
+           "machine": {**ident, "torch_num_threads": torch.get_num_threads()}}
+    assert run_hardware(run).peak_flops == third["peak_flops"]
+    c = load_ceilings(config=run)
+    assert c.kind == "measured" and c.bandwidth_bytes_per_s == third["mem_bandwidth"] and str(f) in c.source
+    other = {**run, "machine": {**run["machine"], "cpu_model": "Other CPU 1"}}
+    assert run_hardware(other).name == "cpu"
+    assert load_ceilings(config=other).kind in ("foreign", "assumed")
+    threads = {**run, "machine": {**run["machine"], "torch_num_threads": torch.get_num_threads() + 1}}
+    assert run_hardware(threads).name == "cpu"

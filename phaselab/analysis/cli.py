@@ -25,8 +25,9 @@ def add_analysis_parsers(subparsers: Any) -> None:
                     "diagnosis.json into the run directory.")
     d.add_argument("run_dir", metavar="RUN_DIR", help="a phaselab run directory (or a bench client run directory)")
     d.add_argument("--roofline", default=None,
-                   help="machine ceilings JSON from benchmarks/roofline.py (default: benchmarks/results/roofline.json "
-                        "when present, else documented assumed values)")
+                   help="machine ceilings JSON from benchmarks/roofline.py (default: the run's own host's ceilings, "
+                        "recorded in the run or cached for its CPU, measured now when the run was made on this CPU; "
+                        "else benchmarks/results/roofline.json when present, else documented assumed values)")
     d.add_argument("--out", default=None, help="write the diagnosis files here instead of RUN_DIR")
     d.add_argument("--no-write", action="store_true", help="print only; write no file")
     d.add_argument("--json", action="store_true", help="print diagnosis.json instead of the text")
@@ -64,6 +65,14 @@ def _diagnose(ns: argparse.Namespace) -> int:
 
     from phaselab.analysis.diagnose import diagnose, diagnosis_text, write_diagnosis
 
+    if not ns.roofline:  # a run of this CPU is judged against this host's ceilings: measured once, cached
+        import os
+
+        from phaselab.sim.host import cache_run_host, read_config
+
+        if not os.environ.get("PHASELAB_ROOFLINE"):
+            cache_run_host(ns.run_dir, read_config(ns.run_dir),
+                           log=lambda m: print(f"phaselab diagnose: {m}", file=sys.stderr))
     diag = diagnose(ns.run_dir, roofline=ns.roofline)
     if ns.json:
         print(json.dumps(diag.to_json(), indent=2, default=str))

@@ -120,8 +120,8 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
         from phaselab.analysis.external import diagnose_client_run
 
         return diagnose_client_run(run, path, ceilings or load_ceilings(roofline))
-    ceilings = ceilings or simulated_ceilings(run.config) or load_ceilings(
-        roofline, str(run.config.get("dtype") or "bfloat16"), run.config.get("machine"))
+    # a real run: its own host's ceilings (recorded or cached for its CPU) unless a roofline is given
+    ceilings = ceilings or simulated_ceilings(run.config) or load_ceilings(roofline, config=run.config)
     account = account_run(run.requests, run.iterations, run.config,
                           ceilings.bandwidth_bytes_per_s if ceilings.measured else None)
     ttft = ttft_breakdown(run.requests)

@@ -1,10 +1,14 @@
 """The machine's ceilings the diagnosis compares against: memory bandwidth and GEMM rate.
 
-Read from the JSON `benchmarks/roofline.py` writes (`benchmarks/results/roofline.json`), looked up
-in this order: an explicit path, `$PHASELAB_ROOFLINE`, `./benchmarks/results/roofline.json`, then
-the same path next to the installed `phaselab` package (a source checkout). Without one, the
-documented defaults below are used and every figure that depends on them says "assumed". A
-simulated run (phaselab/sim) is judged against the hardware it simulated, from its config.json.
+Looked up in this order: an explicit path (`--roofline FILE`), `$PHASELAB_ROOFLINE`; then the run's
+own host's ceilings (phaselab/engine/ceilings.py: recorded in the run's config.json, else cached for
+the run's CPU model, ISA flags, threads, dtype and model under ~/.cache/phaselab/ceilings, see
+phaselab/sim/host.py); then the JSON `benchmarks/roofline.py` writes
+(`./benchmarks/results/roofline.json`, then the same path next to the installed `phaselab` package,
+a source checkout), marked "another CPU's" when it was measured on another CPU than the run's.
+Without any, the documented defaults below are used and every figure that depends on them says
+"assumed". A simulated run (phaselab/sim) is judged against the hardware it simulated, from its
+config.json.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from phaselab.obs.rundir import RunDirError, engine_config
 
 # Assumed when no roofline.json exists: a 2-core slice of a current x86 server (DDR4/DDR5 reads
 # from two cores; bf16 GEMM through oneDNN). Run `python benchmarks/roofline.py` to measure.
@@ -51,11 +57,12 @@ class Ceilings:
         if self.kind == "simulated":
             return f"simulated hardware: {self.source}"
         if self.kind == "foreign":
-            return (f"another CPU's ({self.source}); run benchmarks/roofline.py on the run's machine for its own, "
-                    f"or pass --roofline FILE")
+            return (f"another CPU's ({self.source}); on the run's machine, `python -m phaselab.engine.ceilings --run "
+                    f"RUN_DIR --cached` caches its own (or run benchmarks/roofline.py there and pass --roofline FILE)")
         return f"measured ({self.source})" if self.measured else (
             f"assumed default ({DEFAULT_BANDWIDTH_BYTES_PER_S / 1e9:.0f} GB/s, "
-            f"{DEFAULT_GEMM_FLOPS_PER_S / 1e9:.0f} GFLOP/s; run benchmarks/roofline.py for this machine's)")
+            f"{DEFAULT_GEMM_FLOPS_PER_S / 1e9:.0f} GFLOP/s; `python -m phaselab.engine.ceilings --run RUN_DIR "
+            f"--cached` caches this machine's)")
 
 
 def simulated_ceilings(config: dict[str, Any]) -> Ceilings | None:
@@ -85,15 +92,64 @@ def simulated_ceilings(config: dict[str, Any]) -> Ceilings | None:
                     link.get("name") if isinstance(link, dict) else None, link_bw)
 
 
-def _candidates(explicit: str | None) -> list[Path]:
+def run_engine_config(config: dict[str, Any], role: str | None = None) -> dict[str, Any]:
+    """The engine part of a run's config.json (a disaggregated run: its first worker's of `role`), or
+    the config itself when a disaggregated run recorded no worker."""
+    try:
+        return engine_config(config, role)
+    except RunDirError:
+        return config
+
+
+def run_machine(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The CPU a run was made on (config.json's "machine"; a disaggregated run: its workers')."""
+    return run_engine_config(config).get("machine")
+
+
+def _describe(d: dict[str, Any], where: str) -> str:
+    host = d.get("host") or {}
+    if host.get("cache_file") and "cached" not in where:
+        where += f", cached in {host['cache_file']}"
+    return (f"this machine's, {where}: {host.get('cpu_model', '?')}, {host.get('threads', '?')} threads, "
+            f"{host.get('dtype', '?')}, measured {host.get('measured_at', '?')}")
+
+
+def host_ceilings(config: dict[str, Any]) -> Ceilings | None:
+    """The run's own host's ceilings (phaselab/sim/host.py run_ceilings: recorded in its config.json,
+    else cached for its CPU, threads, dtype and model); a disaggregated run: the decode workers'
+    bandwidth and the prefill workers' GEMM rate. None when the run has neither."""
+    from phaselab.sim.host import run_ceilings
+
+    roles = {"decode": run_engine_config(config, "decode"), "prefill": run_engine_config(config, "prefill")}
+    found = {}
+    for role, cfg in roles.items():
+        got = run_ceilings(cfg)
+        if got is not None and other_cpu(got[0].get("host"), cfg.get("machine")) is None:
+            found[role] = got
+    if not found:
+        return None
+    dec = found.get("decode") or found["prefill"]
+    pre = found.get("prefill") or dec
+    try:
+        bw, gemm = float(dec[0]["mem_bandwidth"]), float(pre[0]["peak_flops"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    source = _describe(dec[0], dec[1]) if dec is pre or dec == pre else \
+        f"decode: {_describe(dec[0], dec[1])}; prefill: {_describe(pre[0], pre[1])}"
+    return Ceilings(bw, gemm, source, "measured")
+
+
+def _explicit(explicit: str | None) -> list[Path]:
     out = []
     if explicit:
         out.append(Path(explicit))
     if os.environ.get("PHASELAB_ROOFLINE"):
         out.append(Path(os.environ["PHASELAB_ROOFLINE"]))
-    out.append(Path.cwd() / ROOFLINE_RELATIVE)
-    out.append(Path(__file__).resolve().parents[2] / ROOFLINE_RELATIVE)
     return out
+
+
+def _implicit() -> list[Path]:
+    return [Path.cwd() / ROOFLINE_RELATIVE, Path(__file__).resolve().parents[2] / ROOFLINE_RELATIVE]
 
 
 def other_cpu(file_machine: dict[str, Any] | None, run_machine: dict[str, Any] | None) -> str | None:
@@ -109,24 +165,42 @@ def other_cpu(file_machine: dict[str, Any] | None, run_machine: dict[str, Any] |
     return None
 
 
-def load_ceilings(path: str | None = None, dtype: str = "bfloat16",
-                  machine: dict[str, Any] | None = None) -> Ceilings:
-    """The first roofline file found (module docstring). `machine`: the run's CPU (config.json's
-    "machine"); a file measured on another CPU is kept for scale but marked "foreign": its figures
-    are labeled so and never bound a fit (another CPU's bandwidth is no floor on this one's)."""
-    for p in _candidates(path):
+def _from_roofline(p: Path, dtype: str, machine: dict[str, Any] | None) -> Ceilings | None:
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+        bw = float(data["bandwidth"]["read_bytes_per_s"])
+        mix = (data.get(dtype) or data.get("bfloat16") or {}).get("gemm_flops_per_s", {}).get("layer_mix", {})
+        gemm = float(max(mix.values())) if mix else DEFAULT_GEMM_FLOPS_PER_S
+    except (KeyError, ValueError, TypeError, json.JSONDecodeError):
+        return None
+    why = other_cpu(data.get("machine"), machine)
+    if why:
+        return Ceilings(bw, gemm, f"{p}, {why}", "foreign")
+    return Ceilings(bw, gemm, str(p), "measured")
+
+
+def load_ceilings(path: str | None = None, dtype: str = "bfloat16", machine: dict[str, Any] | None = None,
+                  config: dict[str, Any] | None = None) -> Ceilings:
+    """The ceilings a run is judged against (module docstring). `config`: the run's config.json (its
+    own host's ceilings, its CPU, its dtype); `machine`: the run's CPU when no config is given. A
+    roofline file measured on another CPU is kept for scale but marked "foreign": its figures are
+    labeled so and never bound a fit (another CPU's bandwidth is no floor on this one's)."""
+    if config is not None:
+        machine = machine or run_machine(config)
+        dtype = str(run_engine_config(config).get("dtype") or dtype)
+    for p in _explicit(path):
         if p.is_file():
-            try:
-                data = json.loads(p.read_text(encoding="utf-8"))
-                bw = float(data["bandwidth"]["read_bytes_per_s"])
-                mix = (data.get(dtype) or data.get("bfloat16") or {}).get("gemm_flops_per_s", {}).get("layer_mix", {})
-                gemm = float(max(mix.values())) if mix else DEFAULT_GEMM_FLOPS_PER_S
-            except (KeyError, ValueError, TypeError, json.JSONDecodeError):
-                continue
-            why = other_cpu(data.get("machine"), machine)
-            if why:
-                return Ceilings(bw, gemm, f"{p}, {why}", "foreign")
-            return Ceilings(bw, gemm, str(p), "measured")
+            found = _from_roofline(p, dtype, machine)
+            if found is not None:
+                return found
         elif path and p == Path(path):
             raise FileNotFoundError(f"roofline file {path} does not exist (write one with benchmarks/roofline.py)")
+    own = host_ceilings(config) if config is not None else None
+    if own is not None:
+        return own
+    for p in _implicit():
+        if p.is_file():
+            found = _from_roofline(p, dtype, machine)
+            if found is not None:
+                return found
     return Ceilings(DEFAULT_BANDWIDTH_BYTES_PER_S, DEFAULT_GEMM_FLOPS_PER_S, "assumed default", "assumed")

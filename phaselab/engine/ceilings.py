@@ -20,49 +20,46 @@ shapes and torch threads:
 The result is a hardware file (phaselab/sim/catalog_files.py's schema, usable as `--hardware
 FILE.json` anywhere) whose `host` object names the CPU model, its ISA flags, torch's CPU capability,
 the threads, dtype and model, where and when it was measured, the load average before and after,
-and every rate measured. The engine records it in the run directory's config.json ("ceilings") when
-asked (EngineArgs.measure_ceilings, or LLMEngine.record_ceilings()), and `phaselab simulate calibrate`
-bounds its fit by it (docs/simulator.md, "CPU ceilings").
+and every rate measured.
+
+`host_ceilings` measures them once per key and caches them (phaselab/sim/host.py: one file per CPU
+model + ISA flags + threads + dtype + the model's layer shapes, under ~/.cache/phaselab/ceilings by
+default, `PHASELAB_CEILINGS_DIR` moves it; `--cached` here). The engine records them in the run
+directory's config.json ("ceilings") when asked (EngineArgs.measure_ceilings, LLMEngine.record_ceilings();
+`phaselab compare` always does), `phaselab simulate calibrate` bounds its fit by them and `phaselab
+diagnose` prints its floors against them (docs/simulator.md, "CPU ceilings"; docs/analysis.md,
+"Machine ceilings").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from phaselab.sim.host import ISA_FLAGS, ceilings_key, ceilings_file, model_shapes, read_cached, this_cpu  # noqa: F401
 from phaselab.spec.config import ModelConfig
 
 GEMM_ROWS = (256, 1024, 2048)
 BANDWIDTH_BYTES = 256 * 2**20  # far beyond any L3 of these hosts (32 MiB on the EPYC)
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
-             "amx_bf16", "amx_int8")
+QUIETER_BY = 1.0  # a cached measurement made at a 1-minute load average this much above today's is remade
 
 
 def cpu_identity() -> dict[str, Any]:
     """The CPU model name and the ISA flags that decide matmul speed (from /proc/cpuinfo), torch's CPU
     capability and the logical CPUs: what config.json's "machine" and the ceilings' "host" both name,
     so that calibrate can tell whether a run and its ceilings come from the same kind of CPU."""
-    model, flags = "", set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name") and not model:
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    return {"cpu_model": model or platform.processor() or platform.machine(),
-            "isa": [f for f in ISA_FLAGS if f in flags],
+    model, isa = this_cpu()
+    return {"cpu_model": model, "isa": isa,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(), "logical_cpus": os.cpu_count()}
 
 
@@ -103,9 +100,7 @@ def read_bandwidth(nbytes: int = BANDWIDTH_BYTES, trials: int = 5, trial_s: floa
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in_features, out_features) of one layer's linear layers as the model builds them (q/k/v and
     gate/up fused)."""
-    h, i = config.hidden_size, config.intermediate_size
-    return {"qkv": (h, config.q_size + 2 * config.kv_size), "o": (config.q_size, h),
-            "gate_up": (h, 2 * i), "down": (i, h)}
+    return model_shapes(config)
 
 
 def measure_ceilings(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, rows: tuple[int, ...] = GEMM_ROWS,
@@ -158,8 +153,73 @@ def measure_ceilings(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, r
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"), "dtype": dtype_name, "model": config.name,
             "load_average_before": list(load_before), "load_average_after": list(load_after),
             "duration_s": round(duration, 2), "gemm_flops_per_s": rates, "read_bytes_per_s": read,
-            "method": "phaselab.engine.ceilings.measure_ceilings"},
+            "torch": torch.__version__, "method": "phaselab.engine.ceilings.measure_ceilings"},
     }
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive lock on `path`.lock: two processes that need one key's ceilings at once (the
+    workers of a disaggregated engine) measure them once, not side by side on the same cores."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_suffix(".lock"), "a")  # noqa: SIM115 - closed below
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+    finally:
+        f.close()
+
+
+def _still_good(d: dict[str, Any], quieter: bool) -> bool:
+    """Whether a cached measurement is to be used as it is: measured with this torch, and (`quieter`)
+    not on a machine clearly busier than this one is now (a shared machine only ever slows a trial
+    down, so a quieter moment measures closer to the ceiling: it replaces one made under load)."""
+    host = d.get("host") or {}
+    then = (host.get("load_average_before") or [0.0])[0]
+    return host.get("torch") == torch.__version__ and not (quieter and then - os.getloadavg()[0] >= QUIETER_BY)
+
+
+def host_ceilings(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, refresh: bool = False,
+                  log: Callable[[str], None] | None = None, quieter: bool = False) -> dict[str, Any]:
+    """This host's ceilings for `config`'s shapes, `dtype` and this process's torch threads: the cached
+    file of that key (phaselab/sim/host.py) when it was measured on this CPU with this torch, else
+    measured now (measure_ceilings, a few seconds) and cached. `refresh`: measure even when cached;
+    `quieter`: also when the cached one was measured under a load QUIETER_BY above the present one
+    (what `phaselab compare` and `--cached` ask before any engine runs; an engine recording them
+    takes the cached file as it is, so that every run of one compare records the same). The
+    result's host names the file ("cache_file")."""
+    say = log or (lambda _msg: None)
+    model, isa = this_cpu()
+    dtype_name = str(dtype).removeprefix("torch.")
+    key = ceilings_key(model, isa, torch.get_num_threads(), dtype_name, model_shapes(config))
+    path = ceilings_file(key)
+    with _locked(path):
+        found = None if refresh else read_cached(key)
+        if found and _still_good(found[0], quieter):
+            d = found[0]
+            say(f"this host's ceilings ({model}, {key['threads']} threads, {dtype_name}): cached in {path}, measured "
+                f"{d['host'].get('measured_at')}: {d['peak_flops'] / 1e9:.0f} GFLOP/s, "
+                f"{d['mem_bandwidth'] / 1e9:.1f} GB/s")
+        else:
+            d = measure_ceilings(config, dtype, log=log)
+            d["host"]["cache_key"] = key
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
+                os.replace(tmp, path)
+                say(f"  cached in {path}")
+            except OSError as e:
+                say(f"  not cached ({path}: {e}); measured again next time")
+                return d
+    d["host"]["cache_file"] = str(path)
+    return d
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,18 +227,25 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--run", metavar="RUN_DIR",
-                     help="take the model, dtype and torch threads from this run's config.json")
+                     help="take the model, dtype and torch threads from this run's config.json (a disaggregated "
+                          "run: its decode workers')")
     src.add_argument("--model", default=None, help="HF model directory or .gguf (default: the bundled model)")
     ap.add_argument("--dtype", default=None, choices=["bfloat16", "float32"], help="default: the run's, else bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the run's, else torch's)")
     ap.add_argument("--out", default=None, help="write the hardware JSON here (default: stdout)")
+    ap.add_argument("--cached", action="store_true",
+                    help="this host's cached ceilings for the key (measured and cached when absent; "
+                         "phaselab/sim/host.py says where)")
+    ap.add_argument("--refresh", action="store_true", help="with --cached: measure again and replace the cached file")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     dtype_name, threads = args.dtype, args.threads
     if args.run:
         from phaselab.obs.rundir import read_run_dir
 
-        cfg = read_run_dir(args.run).config
+        from phaselab.obs.rundir import engine_config
+
+        cfg = engine_config(read_run_dir(args.run).config, "decode")  # a disaggregated run: its decode workers'
         config = ModelConfig.from_dict(cfg["model"]["config"])
         dtype_name = dtype_name or str(cfg.get("dtype", "bfloat16"))
         threads = threads or (cfg.get("machine") or {}).get("torch_num_threads")
@@ -188,8 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         config = load_checkpoint(args.model).config
     if threads:
         torch.set_num_threads(int(threads))
-    result = measure_ceilings(config, getattr(torch, dtype_name or "bfloat16"),
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    dtype = getattr(torch, dtype_name or "bfloat16")
+    if args.cached:
+        result = host_ceilings(config, dtype, args.refresh, log, quieter=True)
+    else:
+        result = measure_ceilings(config, dtype, log=log)
     text = json.dumps(result, indent=2) + "\n"
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -63,9 +63,10 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                                      "iteration times vs the plans' FLOPs and bytes, least squares) and report the "
                                      "fit error.")
     cal.add_argument("run_dir", metavar="RUN_DIR")
-    cal.add_argument("--hardware", default=None, help="hardware JSON file (or catalog entry) whose ceilings bound "
-                                                     "the fit (default: the ceilings the engine measured and recorded "
-                                                     "in the run, else the catalog's cpu entry, with a warning)")
+    cal.add_argument("--hardware", default=None,
+                     help="hardware JSON file (or catalog entry) whose ceilings bound the fit (default: the ceilings "
+                          "the engine recorded in the run, else this CPU's cached ones for the run (measured now, "
+                          "once, when the run was made on this CPU), else the catalog's cpu entry, with a warning)")
     cal.add_argument("--measure-host", metavar="FILE.json", default=None,
                      help="measure this host's ceilings now (the run's model, dtype and threads; a few seconds), write "
                           "them to FILE.json and bound the fit by them")
@@ -318,6 +319,11 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
     if ns.measure_host and ns.hardware:
         raise ConfigError("pass either --hardware or --measure-host, not both")
     hardware = measure_host(ns.run_dir, ns.measure_host) if ns.measure_host else ns.hardware
+    if hardware is None:  # a run of this CPU is priced against this host's ceilings: measured once, cached
+        from phaselab.sim.host import cache_run_host, read_config
+
+        cache_run_host(ns.run_dir, read_config(ns.run_dir),
+                       log=lambda m: print(f"phaselab simulate calibrate: {m}", file=sys.stderr))
     with warnings.catch_warnings():  # printed below, once
         warnings.simplefilter("ignore")
         fit, hw = calibrate(ns.run_dir, hardware, ns.weighting)

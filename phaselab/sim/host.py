@@ -1,16 +1,28 @@
-"""Which ceilings bound a CPU calibration, and whether they are the run's own CPU's.
+"""Which ceilings bound a CPU calibration or a diagnosis's floors, and whether they are the run's own CPU's.
 
 A calibration's efficiencies are fractions of the hardware entry's peak FLOP/s and bandwidth, capped
-at 1 (calibrate.py). On a CPU those ceilings are measured, and the host changes between sessions, so
-the right entry is the one measured on the host that made the run:
+at 1 (calibrate.py), and a diagnosis's floors divide bytes by the bandwidth. On a CPU those ceilings
+are measured (phaselab/engine/ceilings.py), and the host changes between sessions, so the right entry
+is the one measured on the host that made the run:
 
-    run_hardware(config)        the ceilings the engine recorded in the run's config.json ("ceilings",
-                                phaselab/engine/ceilings.py) when it measured them; else the catalog's
-                                `cpu` entry, a documented default measured on an earlier host
+    run_hardware(config)        the ceilings the engine recorded in the run's config.json ("ceilings");
+                                else this CPU's cached ceilings for the run's key (below); else the
+                                catalog's `cpu` entry, a documented default measured on an earlier host
     host_mismatch(config, hw)   warnings when the run's CPU (config.json's "machine": cpu_model, isa,
                                 torch threads, dtype) is not the one hw's ceilings were measured on
     measure_host(run_dir, out)  measure this host's ceilings now, with the run's model, dtype and threads,
                                 in a subprocess (the simulator itself never imports torch)
+
+The cache of measured ceilings, one file per key:
+
+    $PHASELAB_CEILINGS_DIR, else $PHASELAB_CACHE_DIR/ceilings, else ${XDG_CACHE_HOME:-~/.cache}/phaselab/ceilings
+        ceilings-<cpu model>-<threads>t-<dtype>-<hash>.json
+
+The key is the CPU model name and its ISA flags (/proc/cpuinfo), the torch threads, the dtype and the
+model's per-layer linear shapes (the GEMM peak is measured at them); <hash> covers all of it, and the
+file repeats the key ("host": "cache_key"), which is checked on every read: a file measured on another
+CPU (a copied cache, a shared home directory) is never used for this one. The engine writes it
+(engine/ceilings.py host_ceilings: measured once, a few seconds); this module only reads it.
 
 Torch-free, like the rest of phaselab/sim.
 """
@@ -18,25 +30,124 @@ Torch-free, like the rest of phaselab/sim.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import platform
+import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
-from phaselab.errors import ConfigError
+from phaselab.errors import ConfigError, PhaselabError
 from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.catalog_files import hardware_from_dict
+from phaselab.spec.config import ModelConfig
+
+CEILINGS_DIR_ENV = "PHASELAB_CEILINGS_DIR"
+# the CPU flags that decide matmul speed: config.json's "machine" and the ceilings' "host" name them
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
+             "amx_bf16", "amx_int8")
 
 MEASURE_HINT = ("measure the run's host with `python -m phaselab.engine.ceilings --run RUN_DIR --out host.json` "
                 "there (or run the engine with measure_ceilings=True) and calibrate with --hardware host.json")
 
 
+def this_cpu() -> tuple[str, list[str]]:
+    """This CPU's model name and the ISA_FLAGS it has (/proc/cpuinfo; platform's names elsewhere)."""
+    model, flags = "", set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), [f for f in ISA_FLAGS if f in flags]
+
+
+def ceilings_dir() -> Path:
+    """Where measured ceilings are cached (module docstring)."""
+    if os.environ.get(CEILINGS_DIR_ENV):
+        return Path(os.environ[CEILINGS_DIR_ENV])
+    root = os.environ.get("PHASELAB_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "phaselab")
+    return Path(root) / "ceilings"
+
+
+def model_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of one layer's linear layers as the engine builds them (q/k/v and
+    gate/up fused): the GEMM shapes the ceilings are measured at."""
+    h, i = config.hidden_size, config.intermediate_size
+    return {"qkv": (h, config.q_size + 2 * config.kv_size), "o": (config.q_size, h),
+            "gate_up": (h, 2 * i), "down": (i, h)}
+
+
+def ceilings_key(cpu_model: str, isa: list[str], threads: int, dtype: str,
+                 shapes: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """What a cached measurement is valid for (module docstring), as plain JSON data."""
+    return {"cpu_model": cpu_model, "isa": sorted(isa), "threads": int(threads), "dtype": dtype,
+            "shapes": {k: list(v) for k, v in sorted(shapes.items())}}
+
+
+def ceilings_file(key: dict[str, Any]) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", key["cpu_model"].lower()).strip("-")[:48] or "cpu"
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    return ceilings_dir() / f"ceilings-{slug}-{key['threads']}t-{key['dtype']}-{digest}.json"
+
+
+def read_cached(key: dict[str, Any]) -> tuple[dict[str, Any], Path] | None:
+    """The cached ceilings of `key` and their file, when the file exists, is a hardware file and was
+    measured for exactly this key (its host's cache_key, CPU model, ISA, threads and dtype); else None."""
+    path = ceilings_file(key)
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+        hardware_from_dict(d, str(path))
+    except (OSError, ValueError, ConfigError):
+        return None
+    host = d.get("host") or {}
+    same = (host.get("cache_key") == key and host.get("cpu_model") == key["cpu_model"]
+            and sorted(host.get("isa") or []) == key["isa"] and host.get("threads") == key["threads"]
+            and host.get("dtype") == key["dtype"])
+    return (d, path) if same else None
+
+
+def run_key(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The cache key of one engine's run (config.json: "machine", "dtype", the model's config); None when
+    the run does not name its CPU, ISA, threads, dtype or model."""
+    machine = config.get("machine") or {}
+    model = (config.get("model") or {}).get("config")
+    cpu, isa, threads, dtype = (machine.get("cpu_model"), machine.get("isa"), machine.get("torch_num_threads"),
+                                config.get("dtype"))
+    if not (cpu and isa is not None and threads and dtype and isinstance(model, dict)):
+        return None
+    try:
+        shapes = model_shapes(ModelConfig.from_dict(model))
+    except (TypeError, ValueError, KeyError, PhaselabError):
+        return None
+    return ceilings_key(cpu, isa, threads, str(dtype), shapes)
+
+
+def run_ceilings(config: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+    """One engine's ceilings as a hardware file's object and where they came from: recorded in its
+    config.json (measured on its own host), else cached for its key (its CPU, threads, dtype, model);
+    None when neither."""
+    if config.get("ceilings"):
+        return dict(config["ceilings"]), "recorded in the run's config.json (ceilings)"
+    key = run_key(config)
+    found = read_cached(key) if key else None
+    return (found[0], f"cached for this CPU in {found[1]}") if found else None
+
+
 def run_hardware(config: dict[str, Any], fallback: str = "cpu") -> HardwareSpec:
     """The hardware entry a real run's iterations are priced against (module docstring)."""
-    ceilings = config.get("ceilings")
-    if ceilings:
-        return hardware_from_dict(ceilings, "recorded in the run's config.json (ceilings)")
+    found = run_ceilings(config)
+    if found:
+        return hardware_from_dict(*found)
     return get_hardware(fallback)
 
 
@@ -68,6 +179,61 @@ def host_mismatch(config: dict[str, Any], hw: HardwareSpec) -> list[str]:
     if dtype and host_dtype and dtype != host_dtype:
         notes.append(f"the run computed in {dtype}, the GEMM ceiling of {hw.name!r} is {host_dtype}'s; {MEASURE_HINT}")
     return notes
+
+
+def read_config(run_dir: str) -> dict[str, Any]:
+    """A run directory's config.json ({} when it has none or it is unreadable)."""
+    try:
+        d = json.loads((Path(run_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def cache_run_host(run_dir: str, config: dict[str, Any], timeout_s: float = 300.0,
+                   log: Any = None) -> bool:
+    """Measure and cache this host's ceilings for a run made on this CPU that has none yet (neither
+    recorded in its config.json nor cached for its key): `python -m phaselab.engine.ceilings --run
+    RUN_DIR --cached`, a subprocess (a few seconds, once per key). What `phaselab diagnose` and
+    `phaselab simulate calibrate` do before pricing such a run. True when the run now has ceilings
+    of its own; False (nothing run) for a run of another CPU, a simulated run, or one that does not
+    name its CPU; a failed measurement is said on `log` and returns False."""
+    from phaselab.obs.rundir import RunDirError, engine_config
+
+    if config.get("simulated") or config.get("source") == "client":
+        return False
+    try:
+        cfgs = [engine_config(config, role) for role in ("prefill", "decode")] \
+            if config.get("mode") == "disagg" else [config]
+    except RunDirError:
+        return False
+    if all(run_ceilings(c) for c in cfgs):
+        return True
+    model, isa = this_cpu()
+    todo = [c for c in cfgs if not run_ceilings(c) and run_key(c)
+            and run_key(c)["cpu_model"] == model and run_key(c)["isa"] == sorted(isa)]  # type: ignore[index]
+    if not todo:
+        return False
+    for c in {json.dumps(run_key(c), sort_keys=True): c for c in todo}.values():
+        threads = (c.get("machine") or {}).get("torch_num_threads")
+        cmd = [sys.executable, "-m", "phaselab.engine.ceilings", "--run", str(run_dir), "--cached",
+               "--threads", str(threads), "--dtype", str(c.get("dtype"))]
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=timeout_s, capture_output=True, text=True, check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            proc = None
+            err = str(e)
+        else:
+            err = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        if proc is None or proc.returncode != 0:
+            if log:
+                log(f"measuring this host's ceilings failed ({' '.join(cmd)}: {err})")
+            return False
+        if log:
+            log(f"this host's ceilings, measured once for this CPU, {threads} threads, {c.get('dtype')}: cached in "
+                f"{ceilings_file(run_key(c))}")  # type: ignore[arg-type]
+    return all(run_ceilings(c) for c in cfgs)
 
 
 def measure_host(run_dir: str, out: str, timeout_s: float = 300.0) -> HardwareSpec:
