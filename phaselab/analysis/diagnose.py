@@ -35,7 +35,7 @@ from typing import Any
 from phaselab.analysis.accounting import RunAccount, account_run
 from phaselab.analysis.doc import Doc, render_html, render_markdown, render_text
 from phaselab.analysis.findings import Finding, KeyFigure, rank_findings
-from phaselab.analysis.machine import Ceilings, load_ceilings, simulated_ceilings
+from phaselab.analysis.machine import Ceilings, at_least_achieved, load_ceilings, simulated_ceilings
 from phaselab.analysis.measures import (
     DecodeAnalysis,
     DisaggAnalysis,
@@ -121,7 +121,8 @@ def diagnose(run: RunData | str | PathLike[str], ceilings: Ceilings | None = Non
 
         return diagnose_client_run(run, path, ceilings or load_ceilings(roofline))
     # a real run: its own host's ceilings (recorded or cached for its CPU) unless a roofline is given
-    ceilings = ceilings or simulated_ceilings(run.config) or load_ceilings(roofline, config=run.config)
+    ceilings = ceilings or simulated_ceilings(run.config) or at_least_achieved(
+        load_ceilings(roofline, config=run.config), run.iterations)
     account = account_run(run.requests, run.iterations, run.config,
                           ceilings.bandwidth_bytes_per_s if ceilings.measured else None)
     ttft = ttft_breakdown(run.requests)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ class Ceilings:
     kind: str = "measured"  # "measured" | "foreign" (another CPU's) | "assumed" | "simulated"
     link_name: str | None = None  # simulated disaggregation: the KV transfer link
     link_bandwidth_bytes_per_s: float | None = None  # one engine pair's share of it, per direction
+    host: bool = False  # the run's own host's (engine/ceilings.py: recorded in the run or cached for its CPU)
 
     @property
     def measured(self) -> bool:
@@ -63,6 +64,32 @@ class Ceilings:
             f"assumed default ({DEFAULT_BANDWIDTH_BYTES_PER_S / 1e9:.0f} GB/s, "
             f"{DEFAULT_GEMM_FLOPS_PER_S / 1e9:.0f} GFLOP/s; `python -m phaselab.engine.ceilings --run RUN_DIR "
             f"--cached` caches this machine's)")
+
+
+def at_least_achieved(ceilings: Ceilings, iterations: list[Any]) -> Ceilings:
+    """`ceilings` (the run's own host's, measured by phaselab: a roofline file given or found is taken as
+    it is), each rate raised to the most the run's own iterations achieved where they beat it: the bytes a decode-only step must read (weights and unique K/V) over its time, the
+    GEMM FLOPs of an iteration with prefill over its time. A ceiling measured while the machine was
+    busy is below the true one (a shared machine only ever slows a trial down), and a floor computed
+    from it would be above what the run did; the source says when a rate was raised."""
+    if ceilings.kind != "measured" or not ceilings.host:
+        return ceilings
+    its = [r for r in iterations if r.duration_s > 0 and r.modeled is not None]
+    read = max(((r.modeled.weight_bytes + r.modeled.kv_read_bytes - r.modeled.kv_repeat_read_bytes) / r.duration_s
+                for r in its if r.num_prefill_tokens == 0 and r.num_decode_tokens > 0), default=0.0)
+    flops = max((r.modeled.matmul_flops / r.duration_s for r in its if r.num_prefill_tokens > 0), default=0.0)
+    raised = []
+    if read > ceilings.bandwidth_bytes_per_s:
+        raised.append(f"bandwidth raised from {ceilings.bandwidth_bytes_per_s / 1e9:.2f} to the {read / 1e9:.2f} GB/s "
+                      "a decode step of this run read")
+    if flops > ceilings.gemm_flops_per_s:
+        raised.append(f"GEMM rate raised from {ceilings.gemm_flops_per_s / 1e9:.0f} to the {flops / 1e9:.0f} GFLOP/s "
+                      "an iteration of this run computed")
+    if not raised:
+        return ceilings
+    return replace(ceilings, bandwidth_bytes_per_s=max(read, ceilings.bandwidth_bytes_per_s),
+                   gemm_flops_per_s=max(flops, ceilings.gemm_flops_per_s),
+                   source=f"{ceilings.source}; {', '.join(raised)} (the measurement was below it: made under load?)")
 
 
 def simulated_ceilings(config: dict[str, Any]) -> Ceilings | None:
@@ -136,7 +163,7 @@ def host_ceilings(config: dict[str, Any]) -> Ceilings | None:
         return None
     source = _describe(dec[0], dec[1]) if dec is pre or dec == pre else \
         f"decode: {_describe(dec[0], dec[1])}; prefill: {_describe(pre[0], pre[1])}"
-    return Ceilings(bw, gemm, source, "measured")
+    return Ceilings(bw, gemm, source, "measured", host=True)
 
 
 def _explicit(explicit: str | None) -> list[Path]:
