@@ -72,7 +72,9 @@ def _plain(s: str) -> str:
 def _wrap(text: str, width: int = 100, first: str = "", rest: str = "") -> str:
     import textwrap
 
-    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False)
+    # a word longer than the line (a file path) is kept whole, so that it can be copied from the terminal
+    return textwrap.fill(text, width=width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False,
+                         break_long_words=False)
 
 
 def table_text(t: Table) -> str:

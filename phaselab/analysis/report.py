@@ -115,6 +115,44 @@ def sweep_rows(results: list[ConfigResult]) -> tuple[list[str], list[list[str]],
     return names, rows, {"ttft_s": per, "transfer_s": transfer}
 
 
+def engine_paths(result: CompareResult) -> dict[str, str]:
+    """What the header says of the runs: the weight path the engines ran and why (the first colocated
+    run's config.json), and the ceilings every floor and efficiency is judged against (each
+    configuration's diagnoses: the disaggregated workers' differ where they run on fewer threads).
+    Empty strings for a simulated compare or a run without them."""
+    out = {"weights": "", "ceilings": ""}
+    first = next((r for r in result.results if r.config.mode != "disagg" and r.runs), None)
+    if first is None or result.plan.simulation is not None:
+        return out
+    w = "interference" if "interference" in first.runs else next(iter(first.runs))
+    try:
+        cfg = json.loads((Path(first.runs[w]) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        cfg = {}
+    lin = cfg.get("linear") or {}
+    if lin.get("path"):
+        formats = ", ".join(f"{f} x {n}" for f, n in (lin.get("formats") or {}).items())
+        what = ("the GGUF's quantized blocks as stored, read by the native kernels" if lin["path"] == "q" else
+                f"dense {lin['path']} weights through the native kernels" if lin["path"] in ("bf16", "fp32") else
+                "dense weights through torch's matmuls")
+        size = f", {fmt.nbytes(lin['weight_bytes'])} per decode step" if lin.get("weight_bytes") else ""
+        out["weights"] = (f"weights: path {lin['path']}: {what} ({formats}{size}), chosen at start-up as `phaselab "
+                          f"serve --weights auto` chooses it: {lin.get('reason', 'reason not recorded')}; dtype "
+                          f"{lin.get('dtype_reason') or cfg.get('dtype')}")
+    seen: dict[tuple[float, float, str], list[str]] = {}  # each configuration's, in order (the workers' threads)
+    for r in result.results:
+        for d in r.diagnoses.values():
+            c = d.ceilings
+            labels = seen.setdefault((c.bandwidth_bytes_per_s, c.gemm_flops_per_s, c.label()), [])
+            if r.config.label not in labels:
+                labels.append(r.config.label)
+    parts = [f"{fmt.rate(bw)} read, {fmt.rate(gemm, 'FLOP/s')} GEMM, {label}" for bw, gemm, label in seen]
+    if parts:
+        out["ceilings"] = "ceilings (every floor and efficiency below): " + parts[0] + "".join(
+            f"; {', '.join(labels)}: {part}" for part, labels in list(zip(parts, seen.values()))[1:])
+    return out
+
+
 def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: str | None = None,
                 timelines: list[dict[str, Any]] | None = None) -> Doc:
     p = result.plan
@@ -122,6 +160,7 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
     sim = p.simulation
     if sim is None:
         doc = Doc("phaselab compare: prefill-first vs chunked prefill vs disaggregated serving")
+        engine = engine_paths(result)
         doc.add(Para(
             f"Bundled model, {p.dtype}, KV cache {p.kv_cache_memory}; every configuration runs the same two workloads. "
             f"**interference**: {inter.num_streams} streams ({inter.stream_input_len}-token prompts, "
@@ -130,6 +169,8 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
             f"{inter.long_arrival_tokens(1)}, ... tokens). **sweep**: one request at a time with inputs of "
             f"{', '.join(map(str, p.sweep_lens))} tokens ({p.sweep_output_len} output tokens). "
             f"Wall time {fmt.s(result.wall_s)}."))
+        if engine["weights"] or engine["ceilings"]:
+            doc.add(Bullets([x for x in (engine["weights"], engine["ceilings"]) if x]))
     else:
         doc = Doc(f"phaselab compare (simulated): prefill-first vs chunked prefill vs disaggregated serving, "
                   f"{sim.model} on {sim.num_gpus} x {sim.hardware}")
@@ -235,7 +276,7 @@ def _timeline_blocks(doc: Doc, timelines: list[dict[str, Any]] | None, png_b64: 
 
 def summary_json(result: CompareResult) -> dict[str, Any]:
     out: dict[str, Any] = {"plan": result.plan.to_json(), "wall_s": result.wall_s, "notes": result.notes,
-                           "configs": []}
+                           "engine": engine_paths(result), "configs": []}
     for r in result.results:
         entry: dict[str, Any] = {"name": r.config.name, "label": r.config.label, "config": asdict(r.config),
                                  "wall_s": r.wall_s, "workloads": {}}

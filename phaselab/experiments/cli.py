@@ -132,8 +132,11 @@ def run_compare_cli(ns: argparse.Namespace) -> int:
         from phaselab.experiments.compare import load_compare
         from phaselab.analysis.report import write_compare_outputs
 
-        result = load_compare(ns.from_dir)
-        result.files = write_compare_outputs(result)
+        from phaselab.experiments.compare import warnings_once
+
+        with warnings_once():  # the same warning from every run's predictions: once
+            result = load_compare(ns.from_dir)
+            result.files = write_compare_outputs(result)
     else:
         out = ns.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}"
         from phaselab.experiments.compare import DEFAULT_SLO_TBT_MS

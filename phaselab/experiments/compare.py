@@ -1,8 +1,11 @@
 """`phaselab compare`: the same workloads under prefill-first, chunked prefill (two budgets) and
 disaggregated 1P1D serving, on the bundled model, with every phase accounted for.
 
-    load the checkpoint once ─▶ for each configuration: an engine (colocated: built from the loaded
-    checkpoint; disagg: a router + 1 prefill + 1 decode worker on Ray)
+    load the checkpoint once (the dtype and weight path `phaselab serve` picks with its defaults: on
+    the bundled model, its Q4_1 blocks for the native kernels) ─▶ this host's ceilings (measured once
+    per machine, cached: engine/ceilings.py host_ceilings) ─▶ for each configuration: an engine
+    (colocated: built from the loaded checkpoint; disagg: a router + 1 prefill + 1 decode worker on
+    Ray, each loading the model itself), recording the ceilings in its run directories
         ─▶ interference workload ─▶ run directory ─▶ diagnosis (.md/.html/.json)
         ─▶ input-length sweep    ─▶ run directory ─▶ diagnosis
     ─▶ side-by-side tables on the terminal, summary.md/.json, timeline.png/.html, report.html
@@ -20,13 +23,15 @@ functions) or simulations (compare_sim.py), then hands the run directories to ph
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -211,8 +216,12 @@ class CompareResult:
 def _engine_args(plan: Plan, cfg: RunConfig) -> Any:
     from phaselab.config import EngineArgs
 
-    kw: dict[str, Any] = dict(dtype=plan.dtype, kv_cache_memory=plan.kv_cache_memory, max_model_len=plan.max_model_len,
-                              policy=cfg.policy)
+    # dtype and weights "auto", as `phaselab serve` runs them (the packed blocks through the native
+    # kernels where they measure fastest; plan.dtype is what auto chose in run_compare);
+    # measure_ceilings: this host's ceilings (cached) recorded in every run, so that diagnose and the
+    # predictions price the runs against this machine's own
+    kw: dict[str, Any] = dict(dtype="auto", weights="auto", kv_cache_memory=plan.kv_cache_memory,
+                              max_model_len=plan.max_model_len, policy=cfg.policy, measure_ceilings=True)
     if cfg.policy == "chunked" and cfg.budget:
         kw["max_num_batched_tokens"] = cfg.budget
     if cfg.slo_tbt_ms:
@@ -225,7 +234,34 @@ def _engine_args(plan: Plan, cfg: RunConfig) -> Any:
 def _build_engine(plan: Plan, cfg: RunConfig, checkpoint: Any) -> Any:
     from phaselab.serving_engine import make_engine
 
-    return make_engine(_engine_args(plan, cfg), checkpoint=checkpoint)
+    # the disaggregated workers load the model themselves, as `phaselab serve --mode disagg` does (the
+    # packed blocks do not travel through Ray's object store)
+    return make_engine(_engine_args(plan, cfg), checkpoint=None if cfg.mode == "disagg" else checkpoint)
+
+
+def disagg_threads() -> int:
+    """Torch threads of each disaggregated worker here (1 prefill + 1 decode: the cores split, as
+    disagg/pool.py's start_workers splits them)."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def measure_host(model_config: Any, dtype: Any, threads: Sequence[int], progress: Progress) -> list[dict[str, Any]]:
+    """This host's ceilings at each torch thread count, cached (engine/ceilings.py host_ceilings):
+    measured here, once per machine (again while the cached ones were measured under load, keeping the
+    best of each rate), before any engine runs, so that no measurement shares the cores with an engine
+    (the engines and workers then find them in the cache)."""
+    import torch
+
+    from phaselab.engine.ceilings import host_ceilings
+
+    saved, out = torch.get_num_threads(), []
+    try:
+        for n in dict.fromkeys(threads):
+            torch.set_num_threads(n)
+            out.append(host_ceilings(model_config, dtype, log=progress.stage, improve=True))
+    finally:
+        torch.set_num_threads(saved)
+    return out
 
 
 def run_configuration(plan: Plan, cfg: RunConfig, checkpoint: Any, out_dir: Path,
@@ -269,6 +305,24 @@ def write_result(out: Path, plan: Plan, results: list[Any], notes: list[str], pr
     return result
 
 
+@contextlib.contextmanager
+def warnings_once() -> Iterator[None]:
+    """Show each warning (category and text) once within the block, wherever it is raised from. (The
+    "once" filter is not enough: every warnings.catch_warnings() inside, as the predictions' own,
+    clears the registry it keeps.)"""
+    with warnings.catch_warnings():
+        show, seen = warnings.showwarning, set()
+
+        def once(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+            key = (category, str(message))
+            if key not in seen:
+                seen.add(key)
+                show(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = once
+        yield
+
+
 def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, show_progress: bool = True,
                 stream: Any = None, slo_tbt_ms: Sequence[float] = (DEFAULT_SLO_TBT_MS,)) -> CompareResult:
     """Run every configuration and write the report. Returns what was written."""
@@ -291,25 +345,36 @@ def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, s
             print(f"phaselab compare: note: disaggregated 1P1D left out: {why}", file=stream or sys.stderr)
     else:
         notes.append("disaggregated 1P1D left out (--no-disagg)")
-    plan = make_plan(quick, use_disagg, slo_tbt_ms)
-    progress.stage("loading the bundled model (once, bf16)")
     import torch
 
+    from phaselab.engine.engine import resolve_dtype
+    from phaselab.model import linear_probe
     from phaselab.model.loader import load_checkpoint
 
-    checkpoint = load_checkpoint(None, torch.bfloat16)
+    # the dtype and weight path `phaselab serve` picks with its defaults (--dtype auto --weights auto)
+    dtype, _ = resolve_dtype("auto", True, "auto")
+    decision = linear_probe.decide("auto", dtype, True)
+    plan = dataclasses.replace(make_plan(quick, use_disagg, slo_tbt_ms), dtype=str(dtype).removeprefix("torch."))
+    progress.stage(f"loading the bundled model (once, {plan.dtype}, "
+                   f"{'packed blocks' if decision.keep_packed else 'dense'} for the {decision.path} path)")
+    checkpoint = load_checkpoint(None, dtype, None, decision.keep_packed)
+    measure_host(checkpoint.config, dtype, [torch.get_num_threads()] + ([disagg_threads()] if use_disagg else []),
+                 progress)
     results = []
-    for i, cfg in enumerate(plan.configs):
-        progress.stage(f"[{i + 1}/{len(plan.configs)}] {cfg.label}")
-        try:
-            results.append(run_configuration(plan, cfg, checkpoint, out, progress))
-        except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
-            if cfg.mode != "disagg":
-                raise
-            msg = f"disaggregated 1P1D failed and is left out: {type(e).__name__}: {e}"
-            notes.append(msg)
-            print(f"phaselab compare: note: {msg}", file=stream or sys.stderr)
-    return write_result(out, plan, results, notes, progress, t_start)
+    # the runs are priced against this host's ceilings (recorded in each run): a warning that a
+    # calibration disagrees with them would repeat once per run and per prediction; show it once
+    with warnings_once():
+        for i, cfg in enumerate(plan.configs):
+            progress.stage(f"[{i + 1}/{len(plan.configs)}] {cfg.label}")
+            try:
+                results.append(run_configuration(plan, cfg, checkpoint, out, progress))
+            except Exception as e:  # noqa: BLE001 - one failed configuration must not lose the others
+                if cfg.mode != "disagg":
+                    raise
+                msg = f"disaggregated 1P1D failed and is left out: {type(e).__name__}: {e}"
+                notes.append(msg)
+                print(f"phaselab compare: note: {msg}", file=stream or sys.stderr)
+        return write_result(out, plan, results, notes, progress, t_start)
 
 
 def load_compare(out_dir: str | Path) -> CompareResult:
