@@ -86,24 +86,30 @@ def _timing_errors(m: RequestResult, rec: RequestRecord, served: ServedRequest, 
 def test_ttft_itl_and_stall_are_the_scripted_ones():
     gaps = [0.03, 0.03, 0.03, 0.25, 0.03, 0.03]
     script = Script(first_delay_s=0.12, gaps_s=gaps)
-    for _ in range(ATTEMPTS):
+    for attempt in range(ATTEMPTS):
         with FakeOpenAIServer(script) as srv:
             (rec,) = asyncio.run(_send_warm(srv.base_url, [RequestSpec("r1", "hello", 7)]))
             served = srv.served[-1]
         m = derive(rec, rec.scheduled_ns, stall_factor=3.0)
         assert m.status == "ok" and m.output_tokens_source == "usage" and m.num_output_tokens == 7
         errors = _timing_errors(m, rec, served, script)
+        # so TTFT is the scripted wait plus only the request's trip on a warm connection, and the
+        # gaps are the scripted ones, each within DELIVERY_S + SLEEP_OVERSHOOT_S
+        if not script.first_delay_s - 0.001 <= m.ttft_s <= script.first_delay_s + SLEEP_OVERSHOOT_S + 2 * DELIVERY_S:
+            errors.append(f"TTFT {m.ttft_s * 1e3:.2f} ms, scripted {script.first_delay_s * 1e3:.0f} ms")
+        if m.itl_s != pytest.approx(gaps, abs=SLEEP_OVERSHOOT_S + DELIVERY_S):
+            errors.append(f"gaps {[round(g * 1e3, 2) for g in m.itl_s]} ms")
+        if m.max_gap_s != pytest.approx(0.25, abs=SLEEP_OVERSHOOT_S + DELIVERY_S):
+            errors.append(f"longest gap {m.max_gap_s * 1e3:.2f} ms")
+        if m.e2e_s != pytest.approx((served.done_ns - rec.sent_ns) / 1e9, abs=DELIVERY_S):
+            errors.append(f"E2E {m.e2e_s * 1e3:.2f} ms vs done {(served.done_ns - rec.sent_ns) / 1e6:.2f} ms after send")
+        print(f"attempt {attempt + 1}: TTFT {m.ttft_s * 1e3:.2f} ms, gaps "
+              f"{', '.join(f'{g * 1e3:.2f}' for g in m.itl_s)} ms" + (f"; off: {'; '.join(errors)}" if errors else ""))
         if not errors:
             break
     else:
         pytest.fail("timing off in every attempt; the last one:\n" + "\n".join(errors))
-    # so TTFT is the scripted wait plus only the request's trip on a warm connection, and the
-    # gaps are the scripted ones, each within DELIVERY_S + SLEEP_OVERSHOOT_S
-    assert script.first_delay_s - 0.001 <= m.ttft_s <= script.first_delay_s + SLEEP_OVERSHOOT_S + 2 * DELIVERY_S
-    assert m.itl_s == pytest.approx(gaps, abs=SLEEP_OVERSHOOT_S + DELIVERY_S)
-    assert m.max_gap_s == pytest.approx(0.25, abs=SLEEP_OVERSHOOT_S + DELIVERY_S)
     assert m.num_stalls == 1
-    assert m.e2e_s == pytest.approx((served.done_ns - rec.sent_ns) / 1e9, abs=DELIVERY_S)
     assert m.tpot_s == pytest.approx((m.e2e_s - m.ttft_s) / 6)
     # the role-only chunk the server sent first did not count as the first token
     assert m.num_chunks == 7 and m.server_request_id == "chatcmpl-r1"
@@ -205,29 +211,48 @@ def test_cli_random_run_writes_results_and_a_run_directory(tmp_path):
 
 
 def test_cli_interference_run_sees_the_streams_freeze(tmp_path):
+    """The streams' gaps outside the long prompts' prefills are the scripted 20 ms (within a sleep's
+    overshoot), and each long prompt's scripted 150 ms prefill freezes both streams. A run on a
+    machine too busy for the timing bounds is repeated, up to ATTEMPTS times, each run judged alone."""
     stream = Script(first_delay_s=0.02, gaps_s=[0.02] * 34)
     long_ = Script(first_delay_s=0.15, gaps_s=[0.01], prefill_blocks_others=True)
 
     def script(body: dict) -> Script:
         return long_ if len(body["messages"][0]["content"].split(" ")) > 200 else stream
 
-    with FakeOpenAIServer(script) as srv:
-        rc = bench_main([
-            "bench", "--base-url", srv.base_url, "--workload", "interference", "--num-streams", "2",
-            "--stream-input-len", "40", "--stream-output-len", "35", "--num-long-prompts", "2",
-            "--long-input-len", "300", "--long-output-len", "2", "--long-start", "0.15", "--long-interval", "0.3",
-            "--result-json", str(tmp_path / "r.json"), "--disable-progress",
-        ])
-    assert rc == 0
-    result = json.loads((tmp_path / "r.json").read_text())
-    assert result["completed"] == 4 and set(result["groups"]) == {"stream", "long"}
-    inter = result["interference"]
-    assert inter["num_streams"] == 2
-    assert inter["median_stream_gap_outside_long_prefills_ms"] == pytest.approx(20, abs=SLEEP_OVERSHOOT_S * 1e3)
-    for row in inter["long_prompts"]:
-        assert row["status"] == "ok" and row["num_streams_stalled"] == 2
-        assert row["max_stream_gap_ms"] >= 140 and row["ttft_ms"] >= 150
-    assert result["groups"]["stream"]["total_stalls"] >= 4
+    for attempt in range(ATTEMPTS):
+        out = tmp_path / f"r{attempt}.json"
+        with FakeOpenAIServer(script) as srv:
+            rc = bench_main([
+                "bench", "--base-url", srv.base_url, "--workload", "interference", "--num-streams", "2",
+                "--stream-input-len", "40", "--stream-output-len", "35", "--num-long-prompts", "2",
+                "--long-input-len", "300", "--long-output-len", "2", "--long-start", "0.15", "--long-interval", "0.3",
+                "--result-json", str(out), "--disable-progress",
+            ])
+        assert rc == 0
+        result = json.loads(out.read_text())
+        assert result["completed"] == 4 and set(result["groups"]) == {"stream", "long"}
+        inter = result["interference"]
+        assert inter["num_streams"] == 2 and len(inter["long_prompts"]) == 2
+        errors = []
+        median = inter["median_stream_gap_outside_long_prefills_ms"]
+        if median != pytest.approx(20, abs=SLEEP_OVERSHOOT_S * 1e3):
+            errors.append(f"median stream gap {median:.2f} ms, scripted 20 ms")
+        for row in inter["long_prompts"]:
+            # the scripted 150 ms wait only lengthens on a slow machine: these hold in every run
+            assert row["status"] == "ok" and row["max_stream_gap_ms"] >= 140 and row["ttft_ms"] >= 150, row
+            if row["num_streams_stalled"] != 2:
+                errors.append(f"a long prompt stalled {row['num_streams_stalled']} streams, not 2")
+        stalls = result["groups"]["stream"]["total_stalls"]
+        if stalls < 4:
+            errors.append(f"{stalls} stalls of the streams")
+        print(f"attempt {attempt + 1}: median stream gap {median:.2f} ms; long prompts: " + "; ".join(
+            f"longest stream gap {r['max_stream_gap_ms']:.1f} ms, TTFT {r['ttft_ms']:.1f} ms"
+            for r in inter["long_prompts"]) + f"; {stalls} stalls" + (f"; off: {'; '.join(errors)}" if errors else ""))
+        if not errors:
+            break
+    else:
+        pytest.fail("timing off in every attempt; the last one:\n" + "\n".join(errors))
 
 
 def test_cli_errors_are_friendly(capsys):
