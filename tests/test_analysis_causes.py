@@ -35,6 +35,12 @@ from tests._model_helpers import kv_memory, serving_checkpoint, serving_dtype
 
 pytestmark = pytest.mark.slow
 REL = 0.15
+# the decode-kv scenario's cost per history token, diagnosis against the controlled experiment, judged
+# per attempt at a fixed tolerance: seven attempts here (bf16 on the AMX Xeon, 2 cores, load average
+# 0.4-1.8) missed by 10.8, 16.6, 6.7, 12.2, 0.3, 0.9 and 7.1% (the experiment's own 95% half-width
+# 2-10%); the one at 16.6% was followed by one at 6.7%
+KV_COST_REL = 0.15
+ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -192,12 +198,13 @@ def test_decode_kv_bound(checkpoint, tmp_path):
     shared machine's load during the test moves both alike. A disagreement (in the top cause or the
     cost) is measured again from scratch, twice, before it fails: load on a 2-core CI machine can
     shift by more than the tolerance within a minute (steps of one wave measured 100 to 155 ms),
-    a wrong attribution is wrong every time. The K/V floor counts a shared prefix's blocks once per
-    step: the experiment measured 0.66 us per history token where a floor per reader said 0.83."""
+    a wrong attribution is wrong every time. Each attempt is judged alone, at the fixed KV_COST_REL.
+    The K/V floor counts a shared prefix's blocks once per step: the experiment measured 0.66 us per
+    history token where a floor per reader said 0.83."""
     rng = np.random.default_rng(2)
     prefix = random_prompt(rng, kv_bound_prefix())
     outcomes = []
-    for attempt in range(3):
+    for attempt in range(ATTEMPTS):
         engine = _engine(checkpoint, max_model_len=8192, kv_cache_memory=kv_memory(512))
         steps, ctxs = _per_history_token(engine, rng, prefix, rounds=1)
         arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
@@ -226,15 +233,16 @@ def test_decode_kv_bound(checkpoint, tmp_path):
               f"({short_s * 1e3:.1f} ms at {short_ctx:.0f} vs {long_s * 1e3:.1f} ms at {long_ctx:.0f} tokens)"
               + _shares(d))
         # the top cause is the K/V reads, and the measured cost per history token agrees with the
-        # controlled experiment within 15%, or within the two's 95% intervals combined (the fit's
-        # own, and the experiment's by resampling its steps) where those are wider
+        # controlled experiment within a fixed KV_COST_REL (the intervals above are printed to read a
+        # failure by, never added to the tolerance)
         top = d.top.cause if d.top is not None else None
-        half = float(np.hypot(att.ci[2], _experiment_half_width(steps, ctxs)))
-        outcomes.append((top, abs(att.per_kv_token_s - per_token), max(half, REL * per_token)))
-        if top == "decode-kv" and outcomes[-1][1] <= outcomes[-1][2]:
-            break
-    top, miss, tolerance = outcomes[-1]
-    assert top == "decode-kv" and miss <= tolerance, f"(top cause, |diagnosis - experiment|, tolerance) per attempt: {outcomes}"
+        miss = abs(att.per_kv_token_s - per_token) / per_token
+        outcomes.append(f"attempt {attempt + 1}: top cause {top}, per history token diagnosis "
+                        f"{att.per_kv_token_s * 1e6:.3f} us vs experiment {per_token * 1e6:.3f} us ({miss:.1%} apart)")
+        if top == "decode-kv" and miss <= KV_COST_REL:
+            return
+    pytest.fail(f"the top cause is not decode-kv, or its cost per history token is more than {KV_COST_REL:.0%} "
+                "from the controlled experiment's, in every attempt:\n" + "\n".join(outcomes))
 
 
 def test_stall(checkpoint, tmp_path):
