@@ -7,6 +7,8 @@ import warnings
 
 import torch
 
+from phaselab import envs
+
 # A few paragraphs of ordinary prose and code; repeated with numbered sections they make long
 # prompts whose tokens are realistic (not random ids), so greedy continuations are meaningful.
 PARAGRAPHS = [
@@ -84,11 +86,11 @@ def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([token_ids])).logits[0].float()
 
 
-NEAR_TIE = 1e-3  # docs/architecture.md's near-tie rule: both candidates' fp32 logits this close is a tie
+NEAR_TIE = 1e-3  # docs/design.md's near-tie rule: both candidates' fp32 logits this close is a tie
 
 
 def compare_greedy(ours: list[int], ref: list[int], prompt: list[int], ref_logits_fn) -> str | None:
-    """Token-identical, with the one allowance of docs/architecture.md (the near-tie rule).
+    """Token-identical, with the one allowance of docs/design.md (the near-tie rule).
 
     Returns None when equal, or a report of the near-tie at which they diverged (the comparison
     stops there). Raises AssertionError for a real divergence.
@@ -112,7 +114,7 @@ def make_llm(checkpoint, **options):
     """An LLM over an already loaded checkpoint (saves reloading the GGUF per engine)."""
     from phaselab.config import EngineArgs
     from phaselab.engine.engine import LLMEngine
-    from phaselab.engine.llm import LLM
+    from phaselab.llm import LLM
 
     return LLM.from_engine(LLMEngine(EngineArgs(**options), checkpoint=checkpoint))
 
@@ -125,10 +127,10 @@ def serving_dtype() -> str:
     own dtype=auto makes the same call by measurement (linear_probe.auto_dtype); the tests decide by
     the CPU's flags so that a loaded machine cannot change what they run. PHASELAB_TEST_DTYPE forces
     one."""
-    forced = os.environ.get("PHASELAB_TEST_DTYPE")
+    forced = envs.TEST_DTYPE.get()
     if forced:
         if forced not in ("float32", "bfloat16"):
-            raise ValueError(f"PHASELAB_TEST_DTYPE={forced!r}: use float32 or bfloat16")
+            raise ValueError(f"{envs.TEST_DTYPE.name}={forced!r}: use float32 or bfloat16")
         return forced
     from phaselab.model.linear_probe import cpu_info
 

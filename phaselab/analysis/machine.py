@@ -14,11 +14,11 @@ config.json.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from phaselab import envs
 from phaselab.obs.rundir import RunDirError, engine_config
 
 # Assumed when no roofline.json exists: a 2-core slice of a current x86 server (DDR4/DDR5 reads
@@ -170,8 +170,9 @@ def _explicit(explicit: str | None) -> list[Path]:
     out = []
     if explicit:
         out.append(Path(explicit))
-    if os.environ.get("PHASELAB_ROOFLINE"):
-        out.append(Path(os.environ["PHASELAB_ROOFLINE"]))
+    roofline = envs.ROOFLINE.get()
+    if roofline:
+        out.append(Path(roofline))
     return out
 
 

@@ -9,6 +9,7 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from phaselab import envs
 from phaselab.disagg.protocol import WorkerInfo, WorkerStats
 
 
@@ -23,7 +24,7 @@ def worker_env(num_threads: int, name: str = "") -> dict[str, str]:
     n = str(num_threads)
     # PASSIVE and no spin (GOMP_SPINCOUNT overrides the policy): the workers share the cores (cli.py)
     return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0",
-            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, "PHASELAB_WORKER": name}
+            "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": path, envs.WORKER.name: name}
 
 
 def checkpoint_to_wire(ckpt: Any) -> dict[str, Any]:

@@ -7,11 +7,11 @@ only attention separates them (see model/attention.py). The KV cache is allocate
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
+from phaselab import envs
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.model import hugepages, kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq
@@ -49,13 +49,13 @@ class ModelRunner:
             kernels.set_decode_attn(kernels.decode_attn_mode())
         # a decode-only batch runs RoPE + K/V write + attention as one native call (bit-identical, bf16
         # and float32; PHASELAB_FUSED_DECODE=0 keeps the separate ops, for tests and comparisons)
-        self.fused_decode = self.native_decode and os.environ.get("PHASELAB_FUSED_DECODE", "1") != "0"
+        self.fused_decode = self.native_decode and not envs.FUSED_DECODE.off()
         # residual add + RMSNorm and SiLU * up as one native call each (kernels/elementwise.c;
         # PHASELAB_NATIVE_ELEMENTWISE=0 keeps torch's ops)
-        model.native_elementwise = self.native_decode and os.environ.get("PHASELAB_NATIVE_ELEMENTWISE", "1") != "0"
+        model.native_elementwise = self.native_decode and not envs.NATIVE_ELEMENTWISE.off()
         # a fused decode step's decoder layers as one native call (kernels.decode_layers, bit-identical to
         # the layer loop on the calls above; PHASELAB_DECODE_LAYERS=0 keeps the loop)
-        model.decode_layers = os.environ.get("PHASELAB_DECODE_LAYERS", "1") != "0"
+        model.decode_layers = not envs.DECODE_LAYERS.off()
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
         self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 

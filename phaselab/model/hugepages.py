@@ -17,12 +17,13 @@ benchmark, and a way out should a kernel misbehave).
 from __future__ import annotations
 
 import mmap
-import os
 from pathlib import Path
 
 import torch
 
-ENV = "PHASELAB_HUGEPAGES"
+from phaselab import envs
+
+ENV = envs.HUGEPAGES.name  # the name callers set; the declaration is envs.HUGEPAGES
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE = 2 << 20  # the x86-64 transparent huge page
 PAGE = 4096  # the small page `populate` touches one byte of
@@ -41,7 +42,7 @@ def mode() -> str:
 def enabled() -> bool:
     """Whether this process asks for huge pages: not turned off by PHASELAB_HUGEPAGES=0, and a
     kernel that can give them."""
-    return os.environ.get(ENV, "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE") and mode() in ("always", "madvise")
+    return not envs.HUGEPAGES.off() and hasattr(mmap, "MADV_HUGEPAGE") and mode() in ("always", "madvise")
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:

@@ -31,20 +31,20 @@ Activations and outputs stay in the engine dtype; sums run in float32.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from phaselab import envs
 from phaselab.model import hugepages
 from phaselab.model.kernels import qlinear
 from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
 
 PATHS = ("q", "bf16", "fp32", "torch")
 BATCHED = ("tile", "resident")
-ENV_VAR = "PHASELAB_LINEAR"
+ENV_VAR = envs.LINEAR.name  # the name callers set; the declaration is envs.LINEAR
 TILE_ELEMENTS = 4 * 2**20  # the GEMM path widens at most this many weights at a time
 DEFAULT_MAX_NATIVE_ROWS = 16
 
@@ -299,7 +299,7 @@ def _onto_huge_pages(model: nn.Module) -> str:
     why). A tensor two modules share (the tied embedding and head) moves once. Returns what was
     done, for config.json."""
     if not hugepages.enabled():
-        return f"off ({hugepages.ENV}=0)" if os.environ.get(hugepages.ENV) == "0" else f"off (THP {hugepages.mode()})"
+        return f"off ({envs.HUGEPAGES.name}=0)" if envs.HUGEPAGES.off() else f"off (THP {hugepages.mode()})"
     head = getattr(model, "head", None)
     # the layers in order, then the head, then an untied embedding table (only gathered)
     modules = [m for m in model.modules() if isinstance(m, PackedLinear) and m is not head]

@@ -23,7 +23,7 @@ the blocks are all it holds). `max_native_rows` is the largest row count at whic
 still beats the chosen GEMM (counting up from one row; a near-tie does not end the count, a clear loss
 does: `_crossover`). `PHASELAB_BATCHED=tile|resident` forces the choice, `PHASELAB_NATIVE_ROWS=N` the
 row count (a rerun of a recorded run pins both, and the four-row pass, to what the run used:
-analysis/verify.py).
+phaselab/experiments/diagnose_verify.py).
 
 How far ahead the Q4_1X kernel prefetches its weight rows (`prefetch_bytes`) is measured once the
 model is loaded, on its own layers (prefetch_probe.py); the decision records it.
@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from phaselab import envs
 from phaselab.errors import ConfigError
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
@@ -64,15 +65,15 @@ PROBE_BYTES = 64 * 2**20
 PROBE_SHAPE = (2048, 1024)  # (N, K) of one probe matrix; copies fill PROBE_BYTES
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)
 BATCHED_ROWS = 32  # the batched decode row count the resident-vs-tile and dtype choices look at
-BATCHED_ENV = "PHASELAB_BATCHED"
+BATCHED_ENV = envs.BATCHED.name  # the names verify pins; the declarations are in envs
 TIE = 1.25  # a path within this factor of the fastest counts as tied; the smallest storage wins
 DTYPE_TIE = 1.10
 _PROBE_VERSION = 6
 # N: four weight rows at a time from N activation rows, every format; "off": never; or per format,
 # "Q4_0=32,Q8_0=off" (the others keep the kernel's default), as config.json's linear.rows4_min records it
-ROWS4_ENV = "PHASELAB_ROWS4_MIN"
+ROWS4_ENV = envs.ROWS4_MIN.name
 # N: the native kernel runs up to N activation rows, the GEMM above (0: the GEMM from one row)
-NATIVE_ROWS_ENV = "PHASELAB_NATIVE_ROWS"
+NATIVE_ROWS_ENV = envs.NATIVE_ROWS.name
 ROWS4_ROWS = (4, 8, 16, 32)  # row counts the four-row pass is timed at against one weight row at a time
 
 
@@ -163,14 +164,14 @@ def _dense_path(act_dtype: torch.dtype) -> str:
 
 
 def _forced_batched() -> str | None:
-    forced = os.environ.get(BATCHED_ENV)
+    forced = envs.BATCHED.get()
     if forced and forced not in BATCHED:
         raise ConfigError(f"{BATCHED_ENV}={forced!r} is not a choice; use one of {', '.join(BATCHED)} or unset it")
     return forced or None
 
 
 def _forced_native_rows() -> int | None:
-    forced = os.environ.get(NATIVE_ROWS_ENV)
+    forced = envs.NATIVE_ROWS.get()
     if not forced:
         return None
     try:
@@ -197,7 +198,7 @@ def _decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecisi
     if weights not in WEIGHT_OPTIONS:
         raise ConfigError(f"unknown weights option {weights!r}; choose one of {', '.join(WEIGHT_OPTIONS)}")
     cpu = cpu_info()
-    forced = os.environ.get(ENV_VAR)
+    forced = envs.LINEAR.get()
     forced_batched = _forced_batched()
     if forced:
         if forced not in PATHS:
@@ -236,7 +237,7 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
     """Set, for every format, the row count from which the kernel reads four weight rows per pass:
     forced by ROWS4_ENV, else the probe's `rows4_min` (rows4_decision), else the kernel's default
     (a path forced by ENV_VAR runs no probe)."""
-    forced = os.environ.get(ROWS4_ENV)
+    forced = envs.ROWS4_MIN.get()
     if forced:
         decision.rows4_min = parse_rows4(forced)
     else:
@@ -333,7 +334,7 @@ def _cache_file(act_dtype: torch.dtype) -> Path:
     # the layout Q4_1 runs in (PHASELAB_Q4_REPACK) changes what the q path and its four-row pass measure
     key = json.dumps([_PROBE_VERSION, qlinear.build_id(), torch.__version__, torch.get_num_threads(),
                       str(act_dtype), cpu_info()["model"], qlinear.native_format("Q4_1", act_dtype),
-                      os.environ.get(qlinear.AMX_ENV, "1") != "0" and qlinear.features()["amx"]])
+                      not envs.AMX.off() and qlinear.features()["amx"]])
     return kernels.cache_dir() / f"probe-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 

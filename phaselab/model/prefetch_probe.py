@@ -9,18 +9,18 @@ linear decision (config.json; verify's reruns pin it). PREFETCH_ENV forces it.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from phaselab import envs
 from phaselab.errors import ConfigError
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
 from phaselab.model.linear import PackedLinear
 from phaselab.model.linear_probe import LinearDecision, best_in_turns
 
-PREFETCH_ENV = "PHASELAB_PREFETCH_BYTES"
+PREFETCH_ENV = envs.PREFETCH_BYTES.name  # the name verify pins; the declaration is envs.PREFETCH_BYTES
 PREFETCH_CANDIDATES = (2048, 4096)  # bytes ahead; the first is the kernel's default
 
 
@@ -33,7 +33,7 @@ def choose(decision: LinearDecision, model: torch.nn.Module, rounds: int = 8) ->
     next), a step's layers did (4 KiB 5-7% ahead on the AMX Xeon, three tries in three). No Q4_1X
     layers, or layers that do not run as one call: the default, unmeasured. Applied process-wide
     (an earlier engine's setting must not linger) and recorded in `decision`."""
-    forced = os.environ.get(PREFETCH_ENV)
+    forced = envs.PREFETCH_BYTES.get()
     decision.prefetch_probe = {}
     if forced:
         try:

@@ -40,12 +40,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from phaselab import envs
 from phaselab.errors import ConfigError, PhaselabError
 from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.catalog_files import hardware_from_dict
 from phaselab.spec.config import ModelConfig
 
-CEILINGS_DIR_ENV = "PHASELAB_CEILINGS_DIR"
 # the CPU flags that decide matmul speed: config.json's "machine" and the ceilings' "host" name them
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",
              "amx_bf16", "amx_int8")
@@ -72,9 +72,10 @@ def this_cpu() -> tuple[str, list[str]]:
 
 def ceilings_dir() -> Path:
     """Where measured ceilings are cached (module docstring)."""
-    if os.environ.get(CEILINGS_DIR_ENV):
-        return Path(os.environ[CEILINGS_DIR_ENV])
-    root = os.environ.get("PHASELAB_CACHE_DIR") or os.path.join(
+    explicit = envs.CEILINGS_DIR.get()
+    if explicit:
+        return Path(explicit)
+    root = envs.CACHE_DIR.get() or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "phaselab")
     return Path(root) / "ceilings"
 

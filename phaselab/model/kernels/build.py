@@ -15,6 +15,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from phaselab import envs
+
 # The parts of -ffast-math that let the compiler vectorize the reductions, spelled out: -ffast-math
 # itself (like -Ofast and -funsafe-math-optimizations) makes gcc link crtfastmath.o into the shared
 # object, whose constructor sets flush-to-zero / denormals-are-zero for the WHOLE process on load,
@@ -24,12 +26,12 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-
 # PHASELAB_KERNEL_ISA: "native" (default) builds for this CPU's best instruction set; "avx2" and
 # "portable" leave out AVX-512 (and, for portable, AVX2/FMA/F16C too) so that tests and benchmarks
 # run the lower paths of every kernel on any CPU that has them
-ISA_ENV = "PHASELAB_KERNEL_ISA"
+ISA_ENV = envs.KERNEL_ISA.name  # the name callers set; the declaration is envs.KERNEL_ISA
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("PHASELAB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "phaselab")
+    root = envs.CACHE_DIR.get() or os.path.join(os.path.expanduser("~"), ".cache", "phaselab")
     return Path(root) / "kernels"
 
 
@@ -52,7 +54,9 @@ def cpu_flags() -> str:
 
 def kernel_isa() -> str:
     """The instruction-set level the kernels are built for (ISA_ENV; "native" unless forced)."""
-    isa = os.environ.get(ISA_ENV, "native")
+    isa = envs.KERNEL_ISA.raw()
+    if isa is None:  # unset: the default; set but empty is an error, as any other unknown level
+        isa = str(envs.KERNEL_ISA.default)
     if isa not in ISA_FLAGS:
         raise ValueError(f"{ISA_ENV}={isa!r}: use one of {', '.join(ISA_FLAGS)}")
     return isa

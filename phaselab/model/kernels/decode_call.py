@@ -12,6 +12,7 @@ import ctypes
 
 import torch
 
+from phaselab import envs
 from phaselab.model.kernels import _require
 
 
@@ -51,7 +52,7 @@ def decode_layers(
         *_cache_args(kv_caches, slot_mapping, block_tables, seq_lens, num_heads, scale, eps))
     if rc != 0:
         raise RuntimeError(f"decode_layers failed (code {rc}: 1 = a shape or weight format the kernels refuse, "
-                           "2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one call at a time")
+                           f"2 = out of memory); {envs.DECODE_LAYERS.name}=0 runs the layers one call at a time")
     return out
 
 
@@ -106,7 +107,7 @@ def decode_forward(
         *_cache_args(kv_caches, slot_mapping, block_tables, seq_lens, num_heads, scale, eps))
     if rc != 0:
         raise RuntimeError(f"decode_forward failed (code {rc}: 1 = a shape, weight format, token id or position "
-                           "the kernels refuse, 2 = out of memory); PHASELAB_DECODE_LAYERS=0 runs the layers one "
+                           f"the kernels refuse, 2 = out of memory); {envs.DECODE_LAYERS.name}=0 runs the layers one "
                            "call at a time")
     return logits
 

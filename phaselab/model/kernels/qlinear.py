@@ -10,12 +10,12 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from pathlib import Path
 
 import torch
 
+from phaselab import envs
 from phaselab.model import kernels
 
 log = logging.getLogger(__name__)
@@ -23,9 +23,8 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("qlinear.c")
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6, "Q8_0L": 7}
 _ABI = 7
-AMX_ENV = "PHASELAB_AMX"  # 0: no AMX tile products for batched rows even where the CPU has them
 AMX_OFF = 1 << 30  # an amx_min no call reaches
-REPACK_ENV = "PHASELAB_Q4_REPACK"  # 0: decode from the file's blocks, not re-laid as Q4_1X / Q4_1L / Q8_0L
+REPACK_ENV = envs.Q4_REPACK.name  # the name callers set; the declaration is envs.Q4_REPACK
 LANES = {"Q4_1": "Q4_1L", "Q8_0": "Q8_0L"}  # the AVX2 build's layouts: a float32 vector lane per block
 
 _lib: ctypes.CDLL | None = None
@@ -38,8 +37,8 @@ def _load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("PHASELAB_KERNELS", "1") == "0":
-        _reason = "turned off by PHASELAB_KERNELS=0"
+    if envs.KERNELS.off():
+        _reason = f"turned off by {envs.KERNELS.name}=0"
         return None
     cc = kernels._compiler()
     if cc is None:
@@ -68,7 +67,7 @@ def _load() -> ctypes.CDLL | None:
         lib.qlinear_set_amx_min.argtypes = [ci, ci]
         lib.qlinear_amx_min.restype = ci
         lib.qlinear_amx_min.argtypes = [ci]
-        if os.environ.get(AMX_ENV, "1") == "0":
+        if envs.AMX.off():
             for fid in FORMAT_IDS.values():
                 lib.qlinear_set_amx_min(fid, AMX_OFF)
         lib.qlinear_scratch_floats.restype = i64
@@ -113,7 +112,7 @@ def native_format(fmt: str, act_dtype: torch.dtype) -> str:
     Q4_1 becomes Q4_1X (kernels/qlinear.c, dot_rows_q41x) for bf16 activations on a CPU with
     AVX512-BF16; in the AVX2 build Q4_1 and Q8_0 become Q4_1L and Q8_0L (dot_rows_lanes: a vector
     lane per block); unless PHASELAB_Q4_REPACK=0. Every other format stays as stored."""
-    if fmt not in LANES or os.environ.get(REPACK_ENV, "1") == "0":
+    if fmt not in LANES or envs.Q4_REPACK.off():
         return fmt
     feats = features()
     if fmt == "Q4_1" and act_dtype == torch.bfloat16 and feats["avx512_bf16_dot"]:
