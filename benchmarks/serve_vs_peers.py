@@ -5,7 +5,7 @@
         [--out benchmarks/results/serve_vs_peers.json] [--reproduce OLD.json]
     python benchmarks/serve_vs_peers.py --render-only      # the markdown from the JSON alone
 
-The protocol (docs/architecture.md, "How performance is measured"):
+The protocol (docs/design.md, "How performance is measured"):
 
 1. Ceilings. This machine's read bandwidth (phaselab.engine.ceilings.read_bandwidth, best of several
    256 MiB reads), measured before and after, with no server running. Each server's weight bytes a

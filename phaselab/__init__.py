@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "LLM":
-        from phaselab.engine.llm import LLM
+        from phaselab.llm import LLM
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):

@@ -443,8 +443,8 @@ def test_client_run_with_vllm_metrics(tmp_path) -> None:
 def test_analysis_imports_no_torch() -> None:
     code = ("import sys\n"
             "import phaselab.analysis, phaselab.analysis.diagnose, phaselab.analysis.accounting, "
-            "phaselab.analysis.timeline, phaselab.analysis.report, phaselab.analysis.external, "
-            "phaselab.analysis.cli, phaselab.analysis.advice, phaselab.analysis.predict, phaselab.analysis.verify, "
+            "phaselab.analysis.timeline, phaselab.experiments.compare_report, phaselab.analysis.external, "
+            "phaselab.analysis.cli, phaselab.analysis.advice, phaselab.analysis.predict, phaselab.experiments.diagnose_verify, "
             "phaselab.analysis.attribution, phaselab.analysis.kvcapacity, phaselab.sim.replay, phaselab.sim.loop, "
             "phaselab.experiments.compare, phaselab.experiments.compare_sim, "
             "phaselab.experiments.cli, phaselab.workload.driver\n"

@@ -120,7 +120,7 @@ def test_serving_colocated_is_predicted_and_verified_against_the_slow_link(slow_
     says what to pass."""
     from phaselab.analysis.advice import TARGET
     from phaselab.analysis.diagnose import diagnose
-    from phaselab.analysis.verify import verify
+    from phaselab.experiments.diagnose_verify import verify
     from tests._server_helpers import ServerProcess
 
     record, url = slow_link_run["record"], slow_link_run["url"]

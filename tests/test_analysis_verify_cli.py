@@ -11,8 +11,8 @@ def test_verify_reruns_the_highest_ranked_suggested_change(monkeypatch, capsys, 
     finding without a knob, nor a change the prediction advised against."""
     import argparse
 
-    import phaselab.analysis.verify as verify_module
-    from phaselab.analysis.cli import _verify
+    import phaselab.experiments.diagnose_verify as verify_module
+    from phaselab.experiments.diagnose_verify import verify_top
 
     def finding(cause, flags=None, suggested=True):
         pred = SimpleNamespace(change=SimpleNamespace(flags=flags)) if flags else None
@@ -38,10 +38,10 @@ def test_verify_reruns_the_highest_ranked_suggested_change(monkeypatch, capsys, 
     monkeypatch.setattr(verify_module, "verify", fake_verify)
     ns = argparse.Namespace(run_dir=str(tmp_path), out=None, no_write=True, before_url=None, after_url=None)
     none = SimpleNamespace(findings=[finding("decode"), finding("stall", "--max-num-batched-tokens 1024", False)])
-    assert _verify(none, ns) == 2 and verified == []
+    assert verify_top(none, ns) == 2 and verified == []
     err = capsys.readouterr().err
     assert "skipping #1 decode: no engine knob" in err and "skipping #2 stall" in err and "not suggested" in err
     some = SimpleNamespace(findings=[finding("prefill"), finding("queue", "--max-num-seqs 8", False),
                                      finding("decode-kv", "--max-num-seqs 16"), finding("stall", "--policy chunked")])
-    assert _verify(some, ns) == 0 and verified == ["--max-num-seqs 16"]
+    assert verify_top(some, ns) == 0 and verified == ["--max-num-seqs 16"]
     assert "verifying #3 decode-kv" in capsys.readouterr().err

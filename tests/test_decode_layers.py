@@ -19,7 +19,7 @@ import torch
 from phaselab.config import EngineArgs
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.engine.engine import LLMEngine
-from phaselab.engine.llm import LLM
+from phaselab.llm import LLM
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
 from tests._loader_helpers import TINY_VOCAB_SIZE, random_weights, tiny_hf_config, write_gguf

@@ -177,7 +177,7 @@ def test_in_process_workers_move_kv_and_record_backpressure(tmp_path):
         w.shutdown()
     # the same tokens as one engine alone
     from phaselab.engine.engine import LLMEngine
-    from phaselab.engine.llm import LLM
+    from phaselab.llm import LLM
 
     ref = LLM.from_engine(LLMEngine(dataclasses.replace(args, kv_transport="ray-object-store")))
     outs = ref.generate(list(prompts.values()), params)
@@ -378,7 +378,7 @@ def colocated_outputs(llm_fp32, mixed_prompts):
 
 
 def _generate(eng, prompts, params):
-    from phaselab.engine.llm import LLM
+    from phaselab.llm import LLM
 
     return LLM.from_engine(eng).generate(prompts, params)
 

@@ -28,7 +28,7 @@ import pytest
 from phaselab.cli import main
 
 TTFT_S, TBT_S = 3.0, 0.5
-TOLERANCE = 0.2  # --verify-tolerance's documented default (phaselab/sim/plan.py), passed explicitly
+TOLERANCE = 0.2  # --verify-tolerance's documented default (phaselab/experiments/plan.py), passed explicitly
 RUNS = 5  # real runs per configuration, alternated; the median counts (see the docstring)
 ATTEMPTS = 3  # whole plans (calibrate, plan, verify), each judged alone
 TIMEOUT_S = 900  # see the docstring

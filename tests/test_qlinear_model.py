@@ -264,7 +264,7 @@ def test_bundled_greedy_token_identical_to_dequantized(engines):
         return [done[i] for i in ids]
 
     ours, want = run(q), run(ref)
-    # compare_greedy raises on a real divergence; a near-tie (docs/architecture.md) is reported, not failed
+    # compare_greedy raises on a real divergence; a near-tie (docs/design.md) is reported, not failed
     ties = [t for o, w, p in zip(ours, want, prompts) if (t := compare_greedy(o, w, p, ref.score))]
     if ties:
         warnings.warn("; ".join(ties))
@@ -323,10 +323,10 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     """verify's reruns are built on the linear decision the run recorded, down to the row count up to
     which the kernel runs and the four-row pass per format: a forced path alone runs no probe and took
     the default row count (16) where the run's probe had chosen 64, and the rerun's batch-32 steps ran
-    another GEMM (analysis/verify.py). The run here is made with unusual values (5 rows, the four-row
+    another GEMM (phaselab/experiments/diagnose_verify.py). The run here is made with unusual values (5 rows, the four-row
     pass per format) so that no default can pass for them; the rerun's engine is read back, layer by
     layer, and the kernel's own per-format setting."""
-    from phaselab.analysis.verify import _recorded_linear_path
+    from phaselab.experiments.diagnose_verify import _recorded_linear_path
     from phaselab.errors import ConfigError
     from phaselab.model.linear_probe import NATIVE_ROWS_ENV, ROWS4_ENV, parse_rows4
     from phaselab.model.prefetch_probe import PREFETCH_ENV

@@ -247,7 +247,7 @@ def test_greedy_over_http_equals_llm_generate(server, llm):
     for i, out in enumerate(offline):
         ours = [int(t.removeprefix("token_id:")) for t in http[i]["logprobs"]["tokens"]]
         ref = out.token_ids
-        if ours != ref:  # docs/architecture.md's near-tie rule: a divergence at a near-tie stops the comparison
+        if ours != ref:  # docs/design.md's near-tie rule: a divergence at a near-tie stops the comparison
             k = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
             top = out.logprobs[k].top
             assert abs(top[0][1] - top[1][1]) < 1e-3, (i, k, ours, ref)

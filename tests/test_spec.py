@@ -18,7 +18,7 @@ from phaselab.sim.catalog import get_model
 from phaselab.spec.config import ModelConfig
 from phaselab.spec.gguf import open_gguf, read_gguf_config
 
-# SmolLM2-135M (docs/architecture.md, "The bundled model"): 30 layers, hidden 576, 9 heads, 3 KV heads of 64, MLP 1536,
+# SmolLM2-135M (docs/design.md, "The bundled model"): 30 layers, hidden 576, 9 heads, 3 KV heads of 64, MLP 1536,
 # vocab 49152, tied embeddings. By hand:
 #   attention  576 x (576 + 2 x 192) + 576 x 576 = 552,960 + 331,776      =   884,736
 #   MLP        3 x 576 x 1536                                            = 2,654,208

@@ -5,10 +5,11 @@
     findings.py    one finding per cause (key figure, evidence, change, check) and their ranking
     accounting.py  every request's E2E cut into causes that sum to it (the ranking's score)
     timeline.py    PNG and interactive HTML timelines: worker lanes, request lanes, stalls marked
-    report.py      the HTML report of `phaselab compare` (phaselab/experiments runs it)
+    predict.py     each suggestion's effect simulated on the run's own calibration (phaselab/sim)
     external.py    a `phaselab bench` client run against any server, plus its /metrics scrapes
     cli.py         the `diagnose` and `timeline` subcommands
 
-Everything here reads run directories (phaselab.obs.rundir) only and never imports torch; the
-orchestrator that makes runs for a comparison is phaselab/experiments/compare.py.
+Everything here reads run directories (phaselab.obs.rundir) only, never builds an engine and never
+imports torch; what reruns engines (`diagnose --verify`, `compare` and its report) is in
+phaselab/experiments, the layer above (docs/architecture.md, Layers).
 """

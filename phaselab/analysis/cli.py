@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 COMMANDS = ("diagnose", "timeline")
@@ -52,25 +53,26 @@ def add_analysis_parsers(subparsers: Any) -> None:
     t.add_argument("--title", action="append", default=None, help="title of each run (repeat, in order)")
 
 
-def run_analysis(ns: argparse.Namespace) -> int:
+def run_analysis(ns: argparse.Namespace, verify: Callable[[Any, argparse.Namespace], int] | None = None) -> int:
+    """`verify`: what `diagnose --verify` runs on the diagnosis (phaselab/experiments/diagnose_verify.py's
+    verify_top, passed in by phaselab/cli.py: rerunning engines is the layer above this package)."""
     if ns.command == "diagnose":
-        return _diagnose(ns)
+        return _diagnose(ns, verify)
     if ns.command == "timeline":
         return _timeline(ns)
     raise AssertionError(ns.command)
 
 
-def _diagnose(ns: argparse.Namespace) -> int:
+def _diagnose(ns: argparse.Namespace, verify: Callable[[Any, argparse.Namespace], int] | None) -> int:
     import json
 
     from phaselab.analysis.diagnose import diagnose, diagnosis_text, write_diagnosis
 
     if not ns.roofline:  # a run of this CPU is judged against this host's ceilings: measured once, cached
-        import os
-
+        from phaselab import envs
         from phaselab.sim.host import cache_run_host, read_config
 
-        if not os.environ.get("PHASELAB_ROOFLINE"):
+        if not envs.ROOFLINE.get():
             cache_run_host(ns.run_dir, read_config(ns.run_dir),
                            log=lambda m: print(f"phaselab diagnose: {m}", file=sys.stderr))
     diag = diagnose(ns.run_dir, roofline=ns.roofline)
@@ -82,42 +84,11 @@ def _diagnose(ns: argparse.Namespace) -> int:
         files = write_diagnosis(diag, ns.out or ns.run_dir)
         print(f"wrote {files['md']}, {files['html'].name}, {files['json'].name}", file=sys.stderr)
     if ns.verify:
-        return _verify(diag, ns)
-    return 0
-
-
-def _verify(diag: Any, ns: argparse.Namespace) -> int:
-    import json
-
-    from phaselab.analysis.verify import verify
-
-    # the highest-ranked finding whose change the prediction supports; the ones above it say why not
-    rank = next((k for k, f in enumerate(diag.findings) if f.prediction is not None and f.suggested), None)
-    for k, f in enumerate(diag.findings[:rank]):
-        why = ("no engine knob changes it (its advice is above)" if f.prediction is None else
-               f"`{f.prediction.change.flags}` is not suggested (its prediction is above)")
-        print(f"phaselab diagnose --verify: skipping #{k + 1} {f.cause}: {why}", file=sys.stderr)
-    top = diag.findings[rank] if rank is not None else None
-    if top is None or top.prediction is None:
-        print("phaselab diagnose --verify: no finding has a suggested change to verify; verify a change by hand "
-              "with `phaselab compare`, or rerun with the change and diagnose both runs", file=sys.stderr)
-        return 2
-    print(f"phaselab diagnose --verify: verifying #{rank + 1} {top.cause}: "
-          f"`{top.prediction.change.flags}`", file=sys.stderr)
-    try:
-        v = verify(ns.run_dir, top.prediction, before_url=ns.before_url, after_url=ns.after_url)
-    except ValueError as e:
-        print(f"phaselab diagnose --verify: {e}", file=sys.stderr)
-        return 2
-    sys.stdout.write(v.text())
-    if not ns.no_write:
-        out = Path(ns.out or ns.run_dir) / "verify.json"
-        out.write_text(json.dumps({"cause": top.cause, "flags": top.prediction.change.flags,
-                                   "rows": [{**dict(zip(("figure", "before", "after", "predicted_change",
-                                                         "measured_change"), r)), "spread": v.spread(r[0]),
-                                             "predicted_range": top.prediction.range(r[0])}
-                                            for r in v.rows()],
-                                   "runs": v.runs, "notes": v.notes}, indent=2) + "\n", encoding="utf-8")
+        if verify is None:
+            print("phaselab diagnose --verify: run it as `phaselab diagnose RUN --verify` (the reruns are "
+                  "phaselab/experiments' work, which this entry point does not load)", file=sys.stderr)
+            return 2
+        return verify(diag, ns)
     return 0
 
 

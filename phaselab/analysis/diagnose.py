@@ -1,6 +1,6 @@
 """`phaselab diagnose RUN_DIR`: which phase is slow, why, and what would fix it.
 
-Works through the symptom table (docs/architecture.md, "Two phases, two remedies"), row by row, on a run directory
+Works through the symptom table (docs/design.md, "Two phases, two remedies"), row by row, on a run directory
 (docs/run-directory.md) and ranks the causes:
 
     what the user sees                          what is measured here

@@ -24,7 +24,7 @@ decode admitted); until then the request waits: that is backpressure, recorded a
 admission wait, bounded by `decode_admission_timeout_s`.
 
 Thread settings: the actor is started with OMP_NUM_THREADS / OMP_WAIT_POLICY=PASSIVE in its
-runtime_env, so OpenMP reads them before torch loads (docs/architecture.md, "Threads on a small machine").
+runtime_env, so OpenMP reads them before torch loads (docs/design.md, "Threads on a small machine").
 """
 
 from __future__ import annotations

@@ -27,7 +27,8 @@ from typing import Any
 
 import torch
 
-from phaselab.config import EngineArgs, runtime_settings, tune_allocator
+from phaselab.config import EngineArgs
+from phaselab.engine.runtime_settings import runtime_settings, tune_allocator
 from phaselab.core.executor import Executor
 from phaselab.core.outputs import EngineStats, RequestDelta, SchedulerOutput, StepResult, TokenLogprobs
 from phaselab.core.prompt import validate_prompt

@@ -10,6 +10,12 @@ import sys
 import time
 from typing import Any
 
+from phaselab.core.config import BUDGETS_TRIED
+
+# compare's chunked budgets, largest first: the first also serves the disaggregated prefill engines
+COMPARE_BUDGETS = tuple(sorted(BUDGETS_TRIED, reverse=True))
+COMPARE_BUDGETS_TEXT = ",".join(map(str, COMPARE_BUDGETS))
+
 
 def add_compare_parser(subparsers: Any) -> None:
     c = subparsers.add_parser(
@@ -49,7 +55,7 @@ def add_compare_parser(subparsers: Any) -> None:
                    help="disaggregated KV transfer link: nvlink3, nvlink4, pcie4, pcie5, ib-hdr, ib-ndr, 25gbe, "
                         "100gbe (default: the hardware's NVLink)")
     s.add_argument("--budgets", default=None,
-                   help="chunked token budgets, comma-separated (default with --simulate: 2048,512; the first is "
+                   help=f"chunked token budgets, comma-separated (default with --simulate: {COMPARE_BUDGETS_TEXT}; the first is "
                         "also the disaggregated prefill engines')")
     s.add_argument("--request-rate", type=float, default=None,
                    help="load workload: requests per second, open loop (default with --simulate: 4; inf: all at once)")
@@ -106,7 +112,7 @@ def _targets(text: str | None) -> tuple[float, ...] | None:
 def run_compare_cli(ns: argparse.Namespace) -> int:
     from phaselab.experiments.compare import run_compare
     from phaselab.analysis.doc import render_text
-    from phaselab.analysis.report import compare_doc
+    from phaselab.experiments.compare_report import compare_doc
     from phaselab.errors import ConfigError
 
     if not ns.simulate:
@@ -120,7 +126,7 @@ def run_compare_cli(ns: argparse.Namespace) -> int:
         from phaselab.experiments.compare_sim import run_sim_compare
 
         try:
-            budgets = [int(b) for b in (ns.budgets or "2048,512").split(",") if b.strip()]
+            budgets = [int(b) for b in (ns.budgets or COMPARE_BUDGETS_TEXT).split(",") if b.strip()]
         except ValueError:
             raise ConfigError(f"--budgets {ns.budgets!r}: write token budgets separated by commas, e.g. 2048,512") \
                 from None
@@ -130,7 +136,7 @@ def run_compare_cli(ns: argparse.Namespace) -> int:
                                  slo_tbt_ms=(DEFAULT_SIM_SLO_TBT_MS,) if targets is None else targets)
     elif ns.from_dir:
         from phaselab.experiments.compare import load_compare
-        from phaselab.analysis.report import write_compare_outputs
+        from phaselab.experiments.compare_report import write_compare_outputs
 
         from phaselab.experiments.compare import warnings_once
 

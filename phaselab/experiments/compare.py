@@ -35,9 +35,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from phaselab.analysis import fmt
 from phaselab.analysis.diagnose import Diagnosis, diagnose, write_diagnosis
 from phaselab.config import SPIN_COUNT
+from phaselab.core.config import knob
 from phaselab.workload.driver import interference_arrivals, run_arrivals, sweep_arrivals
 from phaselab.workload.interference import InterferenceParams
 
@@ -60,7 +60,7 @@ class RunConfig:
     name: str
     label: str
     mode: str = "colocated"  # | "disagg"
-    policy: str = "chunked"
+    policy: str = knob("policy")
     budget: int | None = None  # max_num_batched_tokens (None: the policy's default)
     slo_tbt_ms: float | None = None  # set: the adaptive budget holding this TBT target (chunked, docs/slo.md)
 
@@ -294,7 +294,7 @@ def run_configuration(plan: Plan, cfg: RunConfig, checkpoint: Any, out_dir: Path
 def write_result(out: Path, plan: Plan, results: list[Any], notes: list[str], progress: Progress,
                   t_start: float) -> CompareResult:
     """The report, diagnosis and index of a finished compare run (real or simulated alike)."""
-    from phaselab.analysis.report import write_compare_outputs
+    from phaselab.experiments.compare_report import write_compare_outputs
 
     progress.stage("writing the report")
     result = CompareResult(out, plan, results, notes)
@@ -397,9 +397,3 @@ def load_compare(out_dir: str | Path) -> CompareResult:
     return CompareResult(out, plan, results, list(data.get("notes", [])), wall_s=data.get("wall_s", 0.0))
 
 
-def plan_json(plan: Plan) -> dict[str, Any]:
-    return plan.to_json()
-
-
-def fmt_duration(s: float) -> str:
-    return fmt.s(s)

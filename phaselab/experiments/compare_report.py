@@ -231,7 +231,7 @@ def compare_doc(result: CompareResult, with_timelines: bool = False, png_b64: st
 def predictions(result: CompareResult) -> tuple[list[Any], list[str]]:
     """compare_predict's rows, computed once per result (the report renders several documents)."""
     if result.predictions is None:
-        from phaselab.analysis.compare_predict import compare_predictions
+        from phaselab.experiments.compare_predict import compare_predictions
 
         result.predictions = compare_predictions(result)
     return result.predictions  # type: ignore[no-any-return]

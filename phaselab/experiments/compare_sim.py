@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from phaselab.experiments.cli import COMPARE_BUDGETS
+
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.experiments.compare import (
     DEFAULT_SIM_SLO_TBT_MS,
@@ -103,7 +105,7 @@ def sim_spec(model: str, hardware: str, num_gpus: int = 8, tp: int | None = None
                    input_len, output_len, burstiness, seed, dtype, params, first_token_from, transfer_mode)
 
 
-def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: bool = True,
+def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = COMPARE_BUDGETS, disagg: bool = True,
                   slo_tbt_ms: Sequence[float] = (DEFAULT_SIM_SLO_TBT_MS,)) -> Plan:
     """prefill-first, chunked at each budget, and disaggregated P:D, all on spec.num_gpus devices."""
     e, tp = spec.num_engines, spec.tp
@@ -189,7 +191,7 @@ def run_sim_configuration(plan: Plan, cfg: RunConfig, out_dir: Path, progress: P
     return res
 
 
-def run_sim_compare(out_dir: str | Path, spec: SimSpec, budgets: Sequence[int] = (2048, 512), disagg: bool = True,
+def run_sim_compare(out_dir: str | Path, spec: SimSpec, budgets: Sequence[int] = COMPARE_BUDGETS, disagg: bool = True,
                     show_progress: bool = True, stream: Any = None,
                     slo_tbt_ms: Sequence[float] = (DEFAULT_SIM_SLO_TBT_MS,)) -> CompareResult:
     """`compare --simulate`: every configuration simulated on `spec`'s cluster, the same report."""

@@ -19,6 +19,7 @@ changes' effect; only reruns side by side measure the change rather than the mac
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -130,19 +131,22 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
 
 def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any], what: str) -> dict[str, float | None]:
     from phaselab.config import EngineArgs
-    from phaselab.engine.engine import LLMEngine
+    from phaselab.serving_engine import make_engine
     from phaselab.workload.driver import run_arrivals
 
     args = {k: v for k, v in (config.get("engine_args") or {}).items() if k in EngineArgs.__dataclass_fields__}
     if args.get("mode", "colocated") != "colocated":
         raise ValueError("--verify reruns one-engine runs only; rerun a disaggregated deployment with compare")
     with _recorded_linear_path(config, overrides):
-        engine = LLMEngine(EngineArgs(**{**args, **overrides}))
+        engine = make_engine(EngineArgs(**{**args, **overrides}))
 
     def progress(done: int, total: int) -> None:
         print(f"\r  {what}: {done}/{total} requests", end="", file=sys.stderr, flush=True)
 
-    run_arrivals(engine, arrivals, on_progress=progress)
+    try:
+        run_arrivals(engine, arrivals, on_progress=progress)
+    finally:
+        engine.shutdown()
     print(file=sys.stderr)
     return figures(list(engine.finished_requests))
 
@@ -257,3 +261,39 @@ def verify(path: str, prediction: Prediction, rounds: int = 2, before_url: str |
                 overrides = {} if side == "before" else prediction.change.engine_args
                 runs[side].append(_run(data.config, overrides, arrivals, what))
     return Verification(prediction, _mean(runs["before"]), _mean(runs["after"]), notes, runs)
+
+
+def verify_top(diag: Any, ns: argparse.Namespace) -> int:
+    """`phaselab diagnose RUN --verify`: verify the highest-ranked suggested change of `diag`; print
+    the side-by-side table and write verify.json beside the run (or under --out)."""
+    import json
+    from pathlib import Path
+
+    # the highest-ranked finding whose change the prediction supports; the ones above it say why not
+    rank = next((k for k, f in enumerate(diag.findings) if f.prediction is not None and f.suggested), None)
+    for k, f in enumerate(diag.findings[:rank]):
+        why = ("no engine knob changes it (its advice is above)" if f.prediction is None else
+               f"`{f.prediction.change.flags}` is not suggested (its prediction is above)")
+        print(f"phaselab diagnose --verify: skipping #{k + 1} {f.cause}: {why}", file=sys.stderr)
+    top = diag.findings[rank] if rank is not None else None
+    if top is None or top.prediction is None:
+        print("phaselab diagnose --verify: no finding has a suggested change to verify; verify a change by hand "
+              "with `phaselab compare`, or rerun with the change and diagnose both runs", file=sys.stderr)
+        return 2
+    print(f"phaselab diagnose --verify: verifying #{rank + 1} {top.cause}: "
+          f"`{top.prediction.change.flags}`", file=sys.stderr)
+    try:
+        v = verify(ns.run_dir, top.prediction, before_url=ns.before_url, after_url=ns.after_url)
+    except ValueError as e:
+        print(f"phaselab diagnose --verify: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(v.text())
+    if not ns.no_write:
+        out = Path(ns.out or ns.run_dir) / "verify.json"
+        out.write_text(json.dumps({"cause": top.cause, "flags": top.prediction.change.flags,
+                                   "rows": [{**dict(zip(("figure", "before", "after", "predicted_change",
+                                                         "measured_change"), r)), "spread": v.spread(r[0]),
+                                             "predicted_range": top.prediction.range(r[0])}
+                                            for r in v.rows()],
+                                   "runs": v.runs, "notes": v.notes}, indent=2) + "\n", encoding="utf-8")
+    return 0

@@ -11,7 +11,7 @@
 The TBT target serves twice: as the goodput's TPOT bound and as the adaptive candidates' target.
 `--verify` (this machine only: --hardware cpu, the bundled model, colocated) calibrates the
 simulator on a short run unless --params is given, plans, then runs the top configurations for
-real at their planned rate and prints predicted vs measured attainment and goodput (sim/verify.py);
+real at their planned rate and prints predicted vs measured attainment and goodput (phaselab/experiments/plan_verify.py);
 exit 3 when a measured goodput is off by more than --verify-tolerance.
 """
 
@@ -23,6 +23,8 @@ import json
 import sys
 from typing import Any
 
+from phaselab.core.config import BUDGETS_TRIED_TEXT
+from phaselab.sim.deployment import TPS_TRIED_TEXT
 from phaselab.errors import ConfigError
 
 
@@ -44,8 +46,8 @@ def add_plan_parser(sub: Any) -> None:
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"])
     t.add_argument("--max-gpus", type=int, default=8, help="GPUs of one deployment unit (default: 8)")
     t.add_argument("--modes", default="colocated,disagg", help="(default: colocated,disagg)")
-    t.add_argument("--tps", default="1,2,4,8", help="tensor parallelism to try (default: 1,2,4,8)")
-    t.add_argument("--budgets", default="512,2048", help="fixed chunk budgets to try (default: 512,2048)")
+    t.add_argument("--tps", default=TPS_TRIED_TEXT, help="tensor parallelism to try (default: %(default)s)")
+    t.add_argument("--budgets", default=BUDGETS_TRIED_TEXT, help="fixed chunk budgets to try (default: %(default)s)")
     t.add_argument("--max-num-seqs", default="64,256", help="seats per engine to try (default: 64,256)")
     w = p.add_argument_group("workload")
     w.add_argument("--trace", default=None, help="a bench trace JSONL (arrivals rescaled per tried rate)")
@@ -104,7 +106,7 @@ def run_plan(ns: argparse.Namespace) -> int:
                 else random_workload_at(ns.num_prompts, ns.input_len, ns.output_len, ns.seed))
     verifier = None
     if ns.verify:
-        from phaselab.sim.verify import Verifier
+        from phaselab.experiments.plan_verify import Verifier
 
         if ns.verify_runs < 1:
             raise ConfigError(f"--verify-runs must be >= 1 (got {ns.verify_runs})")
@@ -147,7 +149,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         print("predicted by the simulator (phaselab/sim); not verified by a real run (--verify runs them on this "
               "machine)")
     else:
-        from phaselab.sim.verify import render, verify
+        from phaselab.experiments.plan_verify import render, verify
 
         rows = verify(ranked, workload, slo, verifier, ns.verify_top, ns.verify_tolerance, ns.verify_dir,
                       ns.verify_runs)

@@ -5,7 +5,7 @@ measured figures next to the predicted ones (issue 17, item 3).
                       model, every request at once (at each planned budget) and spread out (at the
                       largest); the simulator's cost parameters are fitted to their iterations
                       (sim/calibrate.py, Verifier.calibrate), so prediction and measurement share a load
-    plan              the search of sim/plan.py with those parameters
+    plan              the search of phaselab/experiments/plan.py with those parameters
     verification      the top colocated configurations, each at its planned rate R (its predicted
                       goodput): the same seeded requests (random token ids of the same lengths,
                       the same arrival times, EOS ignored) run through the engine in process with the
@@ -133,14 +133,11 @@ class Verifier:
 
     def engine(self, sched: Any, max_model_len: int) -> Any:
         from phaselab.config import EngineArgs
+        from phaselab.core.config import scheduler_options
         from phaselab.serving_engine import make_engine
 
         args = EngineArgs(dtype=str(self.dtype).removeprefix("torch."), kv_cache_memory=KV_CACHE_MEMORY,
-                          max_model_len=max_model_len, policy=sched.policy,
-                          max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
-                          long_prefill_token_threshold=sched.long_prefill_token_threshold,
-                          max_num_partial_prefills=sched.max_num_partial_prefills, slo_tbt_ms=sched.slo_tbt_ms,
-                          slo_margin=sched.slo_margin, slo_min_chunk=sched.slo_min_chunk)
+                          max_model_len=max_model_len, **scheduler_options(sched))
         return make_engine(args, checkpoint=self.checkpoint)
 
     def run(self, sched: Any, requests: Sequence[Any], run_dir: str | None = None) -> tuple[list[Any], float]:

@@ -4,7 +4,7 @@ The one home of these formulas: the engine's and router's records (`modeled_cost
 simulator's pricing (`phaselab.sim.cost`, through `CostFormulas`) both count with them.
 
 MODELED, not measured: pure arithmetic over the model config and the plan, the "count first"
-floor of docs/architecture.md's "How performance is measured" (measured time / floor: how far from the hardware).
+floor of docs/design.md's "How performance is measured" (measured time / floor: how far from the hardware).
 Formulas (T = tokens computed this iteration, L = layers, h = hidden, b = dtype bytes;
 docs/metrics.md has the same with a worked example):
 
