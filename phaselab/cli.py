@@ -21,12 +21,12 @@ tok/s, c8 93 vs 100) and still made two spinning processes 2.5x slower at batch 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
 from typing import Any
 
+from phaselab import envs
 from phaselab.cliargs import add_fields, field_values
 from phaselab.config import SPIN_COUNT, EngineArgs
 
@@ -47,37 +47,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_disagg_args(p: argparse.ArgumentParser) -> None:
     """Every DisaggConfig field as a flag (its name without the `_s` unit suffix); used only with
     --mode disagg. Generated, like the engine flags, so a new field is a new flag with its help."""
-    import json
-
     from phaselab.disagg.config import DisaggConfig
 
     g = p.add_argument_group("disaggregation (--mode disagg; docs/disaggregation.md)")
-    defaults = DisaggConfig()
-    for f in dataclasses.fields(DisaggConfig):
-        flag = "--" + f.name.removesuffix("_s").replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = f.metadata.get("help", "") + f" (default: {default})"
-        kind = type(default)
-        if kind is bool:
-            g.add_argument(flag, dest="disagg_" + f.name, action=argparse.BooleanOptionalAction, default=default,
-                           help=help_text)
-        elif kind is dict:
-            g.add_argument(flag, dest="disagg_" + f.name, type=json.loads, default=default, metavar="JSON",
-                           help=help_text + f", e.g. '{{\"{f.name.split('_')[0]}_host\": 1}}'")
-        elif kind is int:  # bytes
-            from phaselab.config import parse_bytes
-
-            g.add_argument(flag, dest="disagg_" + f.name, type=parse_bytes, default=default, metavar="BYTES",
-                           help=help_text)
-        else:  # seconds (None: no bound), or a CPU count
-            g.add_argument(flag, dest="disagg_" + f.name, type=float, default=default,
-                           metavar="SECONDS" if f.name.endswith("_s") else "N", help=help_text)
+    add_fields(g, DisaggConfig, dest_prefix="disagg_", rename=lambda name: name.removesuffix("_s"))
 
 
 def _disagg_config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
     from phaselab.disagg.config import DisaggConfig
 
-    return DisaggConfig(**{f.name: getattr(ns, "disagg_" + f.name) for f in dataclasses.fields(DisaggConfig)})
+    return DisaggConfig(**field_values(ns, DisaggConfig, dest_prefix="disagg_"))
 
 
 def _engine_args(ns: argparse.Namespace) -> EngineArgs:
@@ -127,23 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize, "
                                      "/version. SIGTERM/SIGINT drain, then exit 0.")
     h = srv.add_argument_group("server")
-    h.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    h.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
-    h.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: smollm2-135m for the bundled model, else the "
-                        "model file's stem or directory's name)")
-    h.add_argument("--api-key", default=os.environ.get("PHASELAB_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every route but /health "
-                        "(default: $PHASELAB_API_KEY, else none)")
-    h.add_argument("--max-request-bytes", default="1MiB", help="largest request body; larger ones get 413 "
-                                                               "(default: 1MiB)")
-    h.add_argument("--max-queued-requests", type=int, default=256,
-                   help="answer 503 + Retry-After while this many requests wait for admission (default: 256)")
-    h.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them "
-                        "(default: 30)")
-    h.add_argument("--record", metavar="DIR", default=None,
-                   help="write the run directory to DIR on shutdown, on POST /record/flush and on SIGUSR1")
+    from phaselab.server.options import ServerConfig
+
+    add_fields(h, ServerConfig, defaults={"model_name": None, "api_key": envs.API_KEY.get()})
     h.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="log level (default: info)")
     _add_engine_args(srv)
@@ -154,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     from phaselab.bench.cli import add_bench_parser
     from phaselab.experiments.cli import add_compare_parser
     from phaselab.sim.cli import add_simulate_parser
-    from phaselab.sim.plan import add_plan_parser
+    from phaselab.experiments.plan import add_plan_parser
 
     add_bench_parser(sub)
     add_analysis_parsers(sub)
@@ -175,7 +140,7 @@ def _prompt_ids(tok, ns: argparse.Namespace) -> list[int]:  # type: ignore[no-un
 def cmd_generate(ns: argparse.Namespace) -> int:
     """`generate`: one prompt through an engine of either mode (make_engine), streamed to stdout."""
     _set_threads(ns, alone=True)
-    from phaselab.config import runtime_settings
+    from phaselab.engine.runtime_settings import runtime_settings
     from phaselab.serving_engine import make_engine
 
     t0 = time.monotonic()
@@ -244,20 +209,14 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     _set_threads(ns)
     import logging
 
-    from phaselab.config import parse_bytes
     from phaselab.server.app import ServerConfig, run_server, served_model_name
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = ServerConfig(
-        model_name=ns.served_model_name or served_model_name(ns.model),
-        api_key=ns.api_key or None,
-        max_request_bytes=parse_bytes(ns.max_request_bytes),
-        max_queued_requests=ns.max_queued_requests,
-        drain_timeout_s=ns.drain_timeout,
-        record_dir=ns.record,
-    )
+    options = field_values(ns, ServerConfig)
+    config = ServerConfig(**{**options, "model_name": options["model_name"] or served_model_name(ns.model),
+                             "api_key": options["api_key"] or None})
     disagg_config = _disagg_config(ns) if ns.mode == "disagg" else None
-    return run_server(_engine_args(ns), config, host=ns.host, port=ns.port, log_level=ns.log_level,
+    return run_server(_engine_args(ns), config, host=config.host, port=config.port, log_level=ns.log_level,
                       disagg_config=disagg_config)
 
 
@@ -277,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command in ("diagnose", "timeline"):
             from phaselab.analysis.cli import run_analysis
 
+            if getattr(ns, "verify", False):  # reruns build engines: the layer above analysis
+                from phaselab.experiments.diagnose_verify import verify_top
+
+                return run_analysis(ns, verify_top)
             return run_analysis(ns)
         if ns.command == "compare":
             from phaselab.experiments.cli import run_compare_cli
@@ -287,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_simulate(ns)
         if ns.command == "plan":
-            from phaselab.sim.plan import run_plan
+            from phaselab.experiments.plan import run_plan
 
             return run_plan(ns)
     except PhaselabError as e:

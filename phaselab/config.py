@@ -7,11 +7,11 @@ of `phaselab.core.config`.
 
 from __future__ import annotations
 
-import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from phaselab.core.config import BUDGET_DEFAULT_TEXT, POLICIES
+from phaselab import envs
+from phaselab.core.config import knob
 from phaselab.core.routing import POLICIES as ROUTING
 from phaselab.errors import ConfigError
 
@@ -40,24 +40,24 @@ class EngineArgs:
     model: str | None = field(default=None, metadata={"help": "HF model directory or .gguf file (default: the bundled SmolLM2-135M-Instruct Q4_1 GGUF)"})
     tokenizer: str | None = field(default=None, metadata={"help": "tokenizer.json or HF directory overriding the model's tokenizer"})
     dtype: str = field(default="auto", metadata={"choices": DTYPES, "help": "auto | float32 | bfloat16 (auto: measured at start-up on decode's linear layers at 1 row and at 32 rows, ties to bf16; cached per CPU)"})
-    weights: str = field(default="auto", metadata={"choices": WEIGHTS, "help": "auto | quantized | dequantized: how linear weights are held. quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (K-quants re-quantized to Q8_0), read by the native kernel; dequantized: widened to the dtype at load, torch matmuls; auto: measured at start-up, and may keep a dense copy beside the blocks for batched rows when its GEMM measures faster (env PHASELAB_LINEAR=q|bf16|fp32|torch forces a path, PHASELAB_BATCHED=tile|resident the batched weight, PHASELAB_NATIVE_ROWS=N the row count up to which the kernel runs, PHASELAB_PREFETCH_BYTES=N how far ahead it prefetches Q4_1X rows)"})
+    weights: str = field(default="auto", metadata={"choices": WEIGHTS, "help": f"auto | quantized | dequantized: how linear weights are held. quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks as stored (K-quants re-quantized to Q8_0), read by the native kernel; dequantized: widened to the dtype at load, torch matmuls; auto: measured at start-up, and may keep a dense copy beside the blocks for batched rows when its GEMM measures faster (env {envs.LINEAR.name}=q|bf16|fp32|torch forces a path, {envs.BATCHED.name}=tile|resident the batched weight, {envs.NATIVE_ROWS.name}=N the row count up to which the kernel runs, {envs.PREFETCH_BYTES.name}=N how far ahead it prefetches Q4_1X rows)"})
     kv_cache_memory: str | int = field(default="2GiB", metadata={"help": "memory for the paged KV cache, allocated once at start"})
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    max_model_len: int | None = field(default=None, metadata={"help": "most tokens per request (default: the model's context, capped by the cache)"})
-    policy: str = field(default="chunked", metadata={"choices": POLICIES, "help": "chunked (decode-first, chunked prefill) | prefill-first"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={"help": f"token budget per iteration ({BUDGET_DEFAULT_TEXT})"})
-    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
-    long_prefill_token_threshold: int = field(default=0, metadata={"help": "cap on one request's prefill chunk (0 = none)"})
-    max_num_partial_prefills: int = field(default=1, metadata={"help": "most requests left mid-prefill after an iteration"})
-    slo_tbt_ms: float = field(default=0.0, metadata={"help": "time-between-tokens target in ms (0 = off); with policy chunked each iteration's prefill budget adapts to hold it (docs/slo.md)"})
-    slo_ttft_ms: float = field(default=0.0, metadata={"help": "time-to-first-token target in ms (0 = off): prefills go shortest prompt first until a request has waited half of it, then first come first served (docs/slo.md); reported as attainment"})
-    slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept free beyond the measured prediction error (the plan already scales the fit by a recent quantile of measured/predicted: docs/slo.md)"})
-    slo_min_chunk: int = field(default=32, metadata={"help": "smallest prefill chunk the adaptive budget gives while prefill waits"})
+    block_size: int = knob("block_size")
+    max_model_len: int | None = knob("max_model_len", unset=True)
+    policy: str = knob("policy")
+    max_num_batched_tokens: int | None = knob("max_num_batched_tokens", unset=True)
+    max_num_seqs: int = knob("max_num_seqs")
+    long_prefill_token_threshold: int = knob("long_prefill_token_threshold")
+    max_num_partial_prefills: int = knob("max_num_partial_prefills")
+    slo_tbt_ms: float = knob("slo_tbt_ms")
+    slo_ttft_ms: float = knob("slo_ttft_ms")
+    slo_margin: float = knob("slo_margin")
+    slo_min_chunk: int = knob("slo_min_chunk")
     slo_cost_file: str | None = field(default=None, metadata={"help": "JSON of the adaptive budget's cost coefficients to start from (default: a short warm-up at start)"})
-    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse cached KV blocks of identical prefixes"})
+    enable_prefix_caching: bool = knob("enable_prefix_caching")
     seed: int = field(default=0, metadata={"help": "seed of unseeded requests' random draws"})
     num_threads: int | None = field(default=None, metadata={"help": "torch intra-op threads (default: all cores)"})
-    measure_ceilings: bool = field(default=False, metadata={"help": "record this host's GEMM rate and read bandwidth in the run directory (measured once per CPU, threads, dtype and model, a few seconds, and cached: ~/.cache/phaselab/ceilings, PHASELAB_CEILINGS_DIR moves it); `phaselab simulate calibrate` bounds its fit by them and `phaselab diagnose` prints its floors against them"})
+    measure_ceilings: bool = field(default=False, metadata={"help": f"record this host's GEMM rate and read bandwidth in the run directory (measured once per CPU, threads, dtype and model, a few seconds, and cached: ~/.cache/phaselab/ceilings, {envs.CEILINGS_DIR.name} moves it); `phaselab simulate calibrate` bounds its fit by them and `phaselab diagnose` prints its floors against them"})
     # -- deployment (docs/disaggregation.md) --
     mode: str = field(default="colocated", metadata={"choices": MODES, "help": "colocated (one engine) | disagg (prefill and decode worker pools on Ray)"})
     prefill_workers: int = field(default=1, metadata={"help": "disagg: prefill workers (Ray actors)"})
@@ -79,52 +79,7 @@ class EngineArgs:
         if self.prefill_workers < 1 or self.decode_workers < 1:
             raise ConfigError("disagg needs at least one prefill worker and one decode worker")
 
-    @classmethod
-    def field_help(cls) -> dict[str, str]:
-        return {f.name: f.metadata.get("help", "") for f in fields(cls)}
-
-
-_ALLOCATOR_TUNED: bool | None = None
-
-
-def tune_allocator() -> bool:
-    """Keep freed activation buffers in the process instead of returning them to the OS.
-
-    glibc serves allocations above 128 KiB with fresh mmap()s and unmaps them on free, so every
-    layer of every step page-faults its multi-MB activations in again. Raising the mmap threshold
-    to its maximum (32 MiB) and the trim threshold well above it makes them reuse heap memory.
-    Process-wide, glibc-only, idempotent; returns whether it applied.
-    """
-    global _ALLOCATOR_TUNED
-    if _ALLOCATOR_TUNED is None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6")
-            m_trim_threshold, m_mmap_threshold = -1, -3
-            ok = libc.mallopt(m_mmap_threshold, 32 * 2**20) == 1
-            _ALLOCATOR_TUNED = ok and libc.mallopt(m_trim_threshold, 2**30) == 1
-        except (OSError, AttributeError):
-            _ALLOCATOR_TUNED = False
-    return _ALLOCATOR_TUNED
-
 
 # GOMP_SPINCOUNT of a process whose engine has the cores to itself: pause loops an OpenMP thread
 # spins after a parallel region before it sleeps (cli.py's docstring; benchmarks/wait_policy.py)
 SPIN_COUNT = "20000"
-
-
-def runtime_settings() -> dict[str, str | int | bool | None]:
-    """Thread settings that decide speed on a small shared machine; recorded with every run."""
-    import torch
-
-    from phaselab.model import kernels
-
-    return {
-        "torch_num_threads": torch.get_num_threads(),
-        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-        "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT"),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-        "kernel_threads": kernels.pool_description(),
-        "malloc_tuned": bool(_ALLOCATOR_TUNED),
-    }

@@ -50,7 +50,7 @@ def test_simulator_flags_build_the_dataclass_defaults() -> None:
 def test_simulator_flags_reach_their_fields() -> None:
     d = build_deployment(_sim_ns("--mode", "disagg", "--prefill-workers", "3", "--decode-workers", "2",
                                  "--tp-prefill", "2", "--tp-decode", "4", "--max-num-batched-tokens", "512",
-                                 "--max-num-seqs", "64", "--no-prefix-caching", "--routing-policy", "round-robin"))
+                                 "--max-num-seqs", "64", "--no-enable-prefix-caching", "--routing-policy", "round-robin"))
     assert (d.mode, d.num_prefill, d.num_decode, d.enable_prefix_caching, d.routing_policy) == \
         ("disagg", 3, 2, False, "round-robin")
     assert d.prefill == RoleConfig(tp=2, max_num_batched_tokens=512, max_num_seqs=64)

@@ -136,10 +136,6 @@ class BlockPool:
             del self.cached_blocks[block_hash]
             self.block_hash[block_id] = None
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every hash (e.g. after the weights change). Blocks keep their owners."""
-        self.cached_blocks.clear()
-        self.block_hash = [None] * self.num_blocks
 
     # -- invariants -------------------------------------------------------------------------
     def check_invariants(self) -> None:

@@ -1,7 +1,14 @@
-"""Scheduler and cache configuration: frozen, grouped by concern, no I/O."""
+"""Scheduler and cache configuration: frozen, grouped by concern, no I/O.
+
+Each scheduler and cache option is declared here once, with its default, choices and help text.
+The engine's options (config.EngineArgs) and the simulator's (sim/deployment.py's RoleConfig and
+Deployment) declare their copy with `knob(name)`, which returns this declaration, so an option has
+one default and one help text wherever it is set (tests/test_knobs.py holds it).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,15 +17,18 @@ from phaselab.errors import ConfigError
 POLICIES = ("chunked", "prefill-first")
 CHUNKED_BUDGET_DEFAULT = 2048  # max_num_batched_tokens of policy chunked when none is given
 BUDGET_DEFAULT_TEXT = f"default {CHUNKED_BUDGET_DEFAULT} for chunked, max_model_len for prefill-first"
+# the fixed chunk budgets a search (simulate search, plan) or a comparison (compare) tries unless told:
+# the default and a quarter of it, where stalls shorten and the prompt's K/V is re-read per chunk
+BUDGETS_TRIED = (CHUNKED_BUDGET_DEFAULT // 4, CHUNKED_BUDGET_DEFAULT)
+BUDGETS_TRIED_TEXT = ",".join(map(str, BUDGETS_TRIED))
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     num_blocks: int = field(default=0, metadata={"help": "KV blocks in the pool (set from --kv-cache-memory)"})
-    enable_prefix_caching: bool = field(
-        default=True, metadata={"help": "reuse full KV blocks of identical prefixes (chained hash)"}
-    )
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the cached KV blocks of identical prompt beginnings (full blocks, chained hashes)"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -29,21 +39,18 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    policy: str = field(
-        default="chunked",
-        metadata={"help": "'chunked' (decode-first, prefill chunks fill the budget) or 'prefill-first'"},
-    )
-    max_num_batched_tokens: int = field(
-        default=CHUNKED_BUDGET_DEFAULT, metadata={"help": "token budget of one iteration (prefill + decode tokens)"}
-    )
-    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
-    max_model_len: int = field(default=8192, metadata={"help": "most tokens (prompt + output) per request"})
-    long_prefill_token_threshold: int = field(
-        default=0, metadata={"help": "cap on one request's prefill chunk per iteration (0 = none)"}
-    )
-    max_num_partial_prefills: int = field(
-        default=1, metadata={"help": "most requests left mid-prefill at the end of an iteration (chunked)"}
-    )
+    policy: str = field(default="chunked", metadata={
+        "choices": POLICIES, "help": "chunked (decode-first, prefill chunks fill the budget) | prefill-first"})
+    max_num_batched_tokens: int = field(default=CHUNKED_BUDGET_DEFAULT, metadata={
+        "help": "token budget of one iteration (prefill + decode tokens)", "unset": BUDGET_DEFAULT_TEXT})
+    # 256 as vLLM's default; the engine and the simulated GPUs had declared 128 and 256 apart
+    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once (per engine)"})
+    max_model_len: int = field(default=8192, metadata={
+        "help": "most tokens (prompt + output) per request", "unset": "default: the model's context, capped by the KV cache"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "cap on one request's prefill chunk per iteration (0 = none)"})
+    max_num_partial_prefills: int = field(default=1, metadata={
+        "help": "most requests left mid-prefill at the end of an iteration (chunked)"})
     slo_tbt_ms: float = field(default=0.0, metadata={
         "help": "time-between-tokens target (ms; 0 = off): with policy 'chunked' each iteration's prefill "
                 "budget is the largest whose predicted time, given its decodes, stays under it (docs/slo.md)"})
@@ -52,7 +59,7 @@ class SchedulerConfig:
                 "request has waited half of it, then first come first served (docs/slo.md), and is reported as "
                 "attainment (diagnose)"})
     slo_margin: float = field(default=0.1, metadata={
-        "help": "fraction of --slo-tbt-ms kept free beyond the measured prediction error: the budget aims at "
+        "help": "fraction of the TBT target kept free beyond the measured prediction error: the budget aims at "
                 "T x (1 - margin) with the fit scaled by a recent quantile of measured / predicted (docs/slo.md)"})
     slo_min_chunk: int = field(default=32, metadata={
         "help": "smallest prefill chunk the adaptive budget chooses while prefill is waiting, even when the "
@@ -106,3 +113,33 @@ class SchedulerConfig:
     def adaptive(self) -> bool:
         """The prefill budget follows the TBT target (core/slo.py) instead of staying fixed."""
         return self.slo_tbt_ms > 0
+
+
+# the options a front passes on to SchedulerConfig.resolve (max_model_len is resolved apart: from the
+# model's context and the cache's capacity)
+SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
+                     "max_num_partial_prefills", "slo_tbt_ms", "slo_ttft_ms", "slo_margin", "slo_min_chunk")
+
+
+def knob(name: str, *, unset: bool = False) -> Any:
+    """The dataclass field of option `name` as SchedulerConfig or CacheConfig declares it: its default,
+    choices and help. `unset`: default None, the value decided later (the help says how: the budget by
+    SchedulerConfig.resolve, max_model_len from the model and the cache)."""
+    declared = {f.name: f for cls in (SchedulerConfig, CacheConfig) for f in dataclasses.fields(cls)}
+    if name not in declared:
+        raise KeyError(f"{name!r} is not a SchedulerConfig or CacheConfig option")
+    meta = dict(declared[name].metadata)
+    if not unset:
+        return field(default=declared[name].default, metadata=meta)
+    if "unset" not in meta:
+        raise ValueError(f"{name} has no documented meaning when unset; give it a default")
+    meta["help"] = f"{meta['help']} ({meta.pop('unset')})"
+    meta["shown_default"] = False  # the help says what None means
+    return field(default=None, metadata=meta)
+
+
+def scheduler_options(obj: Any) -> dict[str, Any]:
+    """{option: value} of SCHEDULER_OPTIONS read off anything declaring them with knob (EngineArgs,
+    RoleConfig): what SchedulerConfig.resolve takes besides max_model_len."""
+    return {name: getattr(obj, name) for name in SCHEDULER_OPTIONS}
+

@@ -56,10 +56,6 @@ class PrefixCacheStats:
     num_query_blocks: int = 0  # full blocks eligible for a hit: (num_tokens - 1) // block_size
     num_hit_blocks: int = 0
 
-    @property
-    def token_hit_rate(self) -> float:
-        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
-
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from phaselab.config import EngineArgs, parse_bytes
-from phaselab.core.config import CacheConfig, SchedulerConfig
+from phaselab.core.config import CacheConfig, SchedulerConfig, scheduler_options
 from phaselab.errors import ConfigError
 
 
@@ -60,17 +60,6 @@ def resolve(args: EngineArgs, model_config: SizedModel, dtype_bytes: int) -> Res
             f"max_model_len={max_model_len} exceeds the model's context "
             f"({model_config.max_position_embeddings} positions); lower --max-model-len"
         )
-    scheduler = SchedulerConfig.resolve(
-        policy=args.policy,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=max_model_len,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        slo_tbt_ms=args.slo_tbt_ms,
-        slo_ttft_ms=args.slo_ttft_ms,
-        slo_margin=args.slo_margin,
-        slo_min_chunk=args.slo_min_chunk,
-    )
+    scheduler = SchedulerConfig.resolve(max_model_len=max_model_len, **scheduler_options(args))
     return ResolvedConfig(CacheConfig(args.block_size, num_blocks, args.enable_prefix_caching), scheduler,
                           block_bytes)

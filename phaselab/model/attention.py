@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from phaselab.core.config import knob
 from phaselab.model import kernels
 
 
@@ -61,7 +62,7 @@ class AttentionMetadata:
     # preallocated (2, >= Bd * max_blocks, block_size, kvh, hd) buffer the decode contexts are
     # gathered into, reused by every layer: a fresh multi-MB tensor per layer costs page faults
     decode_workspace: torch.Tensor | None = None
-    block_size: int = 16
+    block_size: int = knob("block_size")
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

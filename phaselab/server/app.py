@@ -24,7 +24,6 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ from phaselab.errors import InvalidRequestError
 from phaselab.server import serving
 from phaselab.server.engine_thread import DEAD, FAILED, LOADING, EngineThread, EngineUnavailable
 from phaselab.server.errors import APIError, error_bytes, invalid, unavailable
+from phaselab.server.options import BUNDLED_MODEL_NAME, ServerConfig
 from phaselab.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -50,20 +50,6 @@ logger = logging.getLogger("phaselab.server")
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-BUNDLED_MODEL_NAME = "smollm2-135m"
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """Options of the HTTP layer (engine options are EngineArgs)."""
-
-    model_name: str = BUNDLED_MODEL_NAME
-    api_key: str | None = None
-    max_request_bytes: int = 1 << 20
-    max_queued_requests: int = 256
-    drain_timeout_s: float = 30.0
-    record_dir: str | None = None
-    retry_after_s: int = 1
 
 
 def served_model_name(model: str | None) -> str:

@@ -18,7 +18,7 @@ bytes, "GiB" 2^30.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from phaselab.errors import ConfigError, UnsupportedModelError
@@ -240,11 +240,6 @@ MODELS: dict[str, ModelConfig] = {m.name: m for m in (
 def get_model(name: str) -> ModelConfig:
     return _lookup(MODELS, {"llama3-8b": "llama-3-8b", "llama3-70b": "llama-3-70b", "llama2-70b": "llama-2-70b",
                             "yi-34": "yi-34b", "qwen2-72": "qwen2-72b"}, name, "model")
-
-
-def with_sources(spec: Any, **sources: str) -> Any:
-    """A copy of a catalog entry with more source notes (e.g. after calibration)."""
-    return replace(spec, sources={**spec.sources, **sources})
 
 
 def gib(n_bytes: float) -> float:

@@ -21,9 +21,10 @@ import sys
 from typing import Any
 
 from phaselab.cliargs import add_fields, field_values
+from phaselab.core.config import BUDGETS_TRIED_TEXT
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, get_hardware, get_model, model_from_hf_config
-from phaselab.sim.deployment import Deployment, RoleConfig
+from phaselab.sim.deployment import TPS_TRIED_TEXT, Deployment, RoleConfig
 from phaselab.spec.config import ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
@@ -87,19 +88,15 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
     _add_model_args(se)
     se.add_argument("--max-gpus", type=int, default=8, help="GPUs of one deployment unit (default: %(default)s)")
     se.add_argument("--modes", default="colocated,disagg", help="(default: %(default)s)")
-    se.add_argument("--tps", default="1,2,4,8", help="tensor parallelism to try (default: %(default)s)")
-    se.add_argument("--budgets", default="512,2048", help="token budgets to try (default: %(default)s)")
+    se.add_argument("--tps", default=TPS_TRIED_TEXT, help="tensor parallelism to try (default: %(default)s)")
+    se.add_argument("--budgets", default=BUDGETS_TRIED_TEXT, help="token budgets to try (default: %(default)s)")
     se.add_argument("--policies", default="chunked,prefill-first", help="colocated policies (default: %(default)s)")
     se.add_argument("--max-pool", type=int, default=4, help="most engines per disagg pool (default: %(default)s)")
     se.add_argument("--prefill-decode", default=None, metavar="P:D,...",
                     help="disagg engine ratios to try, e.g. 1:1,2:1 (default: every coprime pair up to --max-pool)")
     se.add_argument("--prefill-policies", default="chunked", help="disagg prefill pool policies (default: %(default)s)")
-    se.add_argument("--max-num-seqs", type=int, default=256, help="most running requests per engine "
-                                                                  "(default: %(default)s)")
-    se.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    se.add_argument("--transfer-link", default=None, help="disagg KV link (default: the hardware's NVLink)")
-    se.add_argument("--transfer-mode", default="after-prefill", choices=["after-prefill", "layer-by-layer"])
-    se.add_argument("--first-token-from", default="prefill", choices=["prefill", "decode"])
+    add_fields(se, RoleConfig, ("max_num_seqs", "long_prefill_token_threshold"))
+    add_fields(se, Deployment, ("transfer_link", "transfer_mode", "first_token_from"))
     g = se.add_argument_group("SLO")
     g.add_argument("--objective", default="goodput", choices=["goodput", "capacity"],
                    help="goodput: DistServe's (TTFT and TPOT SLOs at an attainment); capacity: Sarathi-Serve's "

@@ -15,18 +15,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phaselab.core.config import BUDGET_DEFAULT_TEXT, POLICIES, CacheConfig, SchedulerConfig
-from phaselab.core.routing import POLICIES as ROUTING
+from phaselab.config import MODES, ROUTING_POLICIES
+from phaselab.core.config import CHUNKED_BUDGET_DEFAULT, CacheConfig, SchedulerConfig, knob, scheduler_options
 from phaselab.errors import ConfigError
 from phaselab.obs.cost import StoredWeights
 from phaselab.sim.catalog import LINKS, GiB, HardwareSpec, LinkSpec, get_link
 from phaselab.sim.cost import CostParams, default_params
 from phaselab.spec.config import ModelConfig
 
-MODES = ("colocated", "disagg")
 TRANSFER_MODES = ("after-prefill", "layer-by-layer")
 FIRST_TOKEN_FROM = ("prefill", "decode")
-ROUTING_POLICIES = tuple(ROUTING)  # core.routing's policy names
+# the tensor-parallel degrees a search tries unless told (those that divide the model's heads and fit)
+TPS_TRIED = (1, 2, 4, 8)
+TPS_TRIED_TEXT = ",".join(map(str, TPS_TRIED))
 
 
 @dataclass(frozen=True)
@@ -34,20 +35,16 @@ class RoleConfig:
     """One pool's engines: parallelism and scheduler options (EngineArgs' names)."""
 
     tp: int = field(default=1, metadata={"help": "tensor-parallel GPUs per engine"})
-    policy: str = field(default="chunked", metadata={"choices": POLICIES, "help": "chunked | prefill-first"})
-    max_num_batched_tokens: int | None = field(default=None, metadata={
-        "help": f"token budget per iteration ({BUDGET_DEFAULT_TEXT})"})
-    max_num_seqs: int = field(default=256, metadata={"help": "most requests running at once per engine"})
-    long_prefill_token_threshold: int = field(default=0, metadata={
-        "help": "cap on one request's prefill chunk (0 = none)"})
-    max_num_partial_prefills: int = field(default=1, metadata={
-        "help": "most requests left mid-prefill after an iteration"})
+    policy: str = knob("policy")
+    max_num_batched_tokens: int | None = knob("max_num_batched_tokens", unset=True)
+    max_num_seqs: int = knob("max_num_seqs")
+    long_prefill_token_threshold: int = knob("long_prefill_token_threshold")
+    max_num_partial_prefills: int = knob("max_num_partial_prefills")
     num_blocks: int | None = field(default=None, metadata={"help": "KV blocks per engine (None: from memory)"})
-    slo_tbt_ms: float = field(default=0.0, metadata={
-        "help": "TBT target (ms, 0 = off): the adaptive prefill budget, learned online as on the engine"})
-    slo_ttft_ms: float = field(default=0.0, metadata={"help": "TTFT target (ms, 0 = off): orders the prefills (docs/slo.md), reported as attainment"})
-    slo_margin: float = field(default=0.1, metadata={"help": "fraction of the TBT target kept beyond the measured prediction error"})
-    slo_min_chunk: int = field(default=32, metadata={"help": "smallest prefill chunk the adaptive budget gives"})
+    slo_tbt_ms: float = knob("slo_tbt_ms")
+    slo_ttft_ms: float = knob("slo_ttft_ms")
+    slo_margin: float = knob("slo_margin")
+    slo_min_chunk: int = knob("slo_min_chunk")
 
 
 @dataclass(frozen=True)
@@ -62,11 +59,9 @@ class Deployment:
     prefill: RoleConfig = RoleConfig()
     decode: RoleConfig = RoleConfig()
     dtype_bytes: int = 2
-    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
-    enable_prefix_caching: bool = field(default=True, metadata={
-        "flag": "--prefix-caching", "help": "reuse cached KV blocks of identical prefixes"})
-    max_model_len: int | None = field(default=None, metadata={
-        "help": "most tokens per request (None: the model's context, capped by every engine's cache)"})
+    block_size: int = knob("block_size")
+    enable_prefix_caching: bool = knob("enable_prefix_caching")
+    max_model_len: int | None = knob("max_model_len", unset=True)
     gpu_memory_utilization: float = field(default=0.9, metadata={"help": "share of each GPU's memory used"})
     activation_reserve_bytes: int = 2 * GiB  # per GPU: activations, CUDA graphs, workspace
     tp_link: str | None = field(default=None, metadata={
@@ -156,12 +151,7 @@ class Deployment:
 
     def scheduler_config(self, rc: RoleConfig) -> SchedulerConfig:
         max_model_len = self.resolved_max_model_len()
-        return SchedulerConfig.resolve(policy=rc.policy, max_num_batched_tokens=rc.max_num_batched_tokens,
-                                       max_num_seqs=rc.max_num_seqs, max_model_len=max_model_len,
-                                       long_prefill_token_threshold=rc.long_prefill_token_threshold,
-                                       max_num_partial_prefills=rc.max_num_partial_prefills,
-                                       slo_tbt_ms=rc.slo_tbt_ms, slo_ttft_ms=rc.slo_ttft_ms,
-                                       slo_margin=rc.slo_margin, slo_min_chunk=rc.slo_min_chunk)
+        return SchedulerConfig.resolve(max_model_len=max_model_len, **scheduler_options(rc))
 
     def cache_config(self, rc: RoleConfig) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks(rc), self.enable_prefix_caching)
@@ -191,7 +181,7 @@ class Deployment:
 def _policy_text(rc: RoleConfig) -> str:
     """The scheduling of one pool in words: policy, budget (fixed or adaptive), seats when not the default."""
     if rc.slo_tbt_ms > 0:
-        text = f"adaptive budget <= {rc.max_num_batched_tokens or 2048} for TBT {rc.slo_tbt_ms:g} ms"
+        text = f"adaptive budget <= {rc.max_num_batched_tokens or CHUNKED_BUDGET_DEFAULT} for TBT {rc.slo_tbt_ms:g} ms"
     elif rc.policy == "chunked" and rc.max_num_batched_tokens:
         text = f"chunked {rc.max_num_batched_tokens}"
     else:

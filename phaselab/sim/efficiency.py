@@ -64,14 +64,6 @@ def kv_read_efficiency(context: float, e_max: float, k_half: float = KV_CONTEXT_
     return saturating(max(context, 1.0), e_max, k_half)
 
 
-def roofline_time(flops: float, num_bytes: float, peak: float, bandwidth: float, e_compute: float,
-                  e_memory: float) -> tuple[float, bool]:
-    """max(compute, memory) and whether compute bound."""
-    compute = flops / (peak * e_compute) if flops else 0.0
-    memory = num_bytes / (bandwidth * e_memory) if num_bytes else 0.0
-    return (compute, True) if compute >= memory else (memory, False)
-
-
 def ring_allreduce_time(num_bytes: float, num_gpus: int, link_bandwidth: float, latency_s: float,
                         efficiency: float) -> float:
     """One ring all-reduce of num_bytes over num_gpus: each GPU sends and receives 2 (n-1)/n of the

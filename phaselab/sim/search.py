@@ -28,10 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from phaselab.core.config import BUDGETS_TRIED
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import HardwareSpec
 from phaselab.sim.cost import CostParams
-from phaselab.sim.deployment import Deployment, RoleConfig
+from phaselab.sim.deployment import TPS_TRIED, Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.report import percentile, slo_attainment
 from phaselab.sim.workload import SimRequest, random_requests
@@ -118,7 +119,7 @@ class SearchResult:
 
 def candidates(model: ModelConfig, hardware: HardwareSpec, max_gpus: int,
                modes: Sequence[str] = ("colocated", "disagg"),
-               tps: Sequence[int] = (1, 2, 4, 8), budgets: Sequence[int] = (512, 2048),
+               tps: Sequence[int] = TPS_TRIED, budgets: Sequence[int] = BUDGETS_TRIED,
                policies: Sequence[str] = ("chunked", "prefill-first"), max_pool: int = 4,
                params: CostParams | None = None, base: dict[str, Any] | None = None,
                role: dict[str, Any] | None = None, ratios: Sequence[tuple[int, int]] | None = None,

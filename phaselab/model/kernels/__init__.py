@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 from pathlib import Path
 
 import torch
 
+from phaselab import envs
 from phaselab.model.kernels.build import ISA_ENV, ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
 from phaselab.model.kernels.build import build as _build
 from phaselab.model.kernels.build import compiler as _compiler
@@ -47,16 +47,13 @@ DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
 SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the kernel sources (not pool.c): part of their build keys
 # one library: the attention, elementwise and layers sources (the header for the build key only)
 LIBRARY_SOURCES = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, DECODE_LAYERS_SOURCE, SIMD_HEADER)
-PREFILL_ENV = "PHASELAB_PREFILL_ATTN"
+PREFILL_ENV = envs.PREFILL_ATTN.name  # the name callers set; the declaration is envs.PREFILL_ATTN
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}
-DECODE_ENV = "PHASELAB_DECODE_ATTN"
+DECODE_ENV = envs.DECODE_ATTN.name  # likewise
 # PHASELAB_DECODE_ATTN values -> paged_decode's part kernel (paged_decode_set_mode)
 DECODE_MODES = {"auto": 0, "dpbf16": 1, "c": 2}
 POOL_SOURCE = Path(__file__).with_name("pool.c")
-POOL_ENV = "PHASELAB_POOL"  # "0": the kernels run on OpenMP's team
-SPIN_ENV = "PHASELAB_POOL_SPIN_US"
-DEFAULT_SPIN_US = 200
 _ABI = 12
 _POOL_ABI = 1
 
@@ -68,13 +65,19 @@ _pool_tried = False
 _pool_reason: str | None = None
 
 
+def _as_set(var: envs.EnvVar) -> str:
+    """`var` as set, else its default: here a value set but empty is an error, not the default."""
+    value = var.raw()
+    return value if value is not None else str(var.default)
+
+
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried, _reason
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("PHASELAB_KERNELS", "1") == "0":
-        _reason = "turned off by PHASELAB_KERNELS=0"
+    if envs.KERNELS.off():
+        _reason = f"turned off by {envs.KERNELS.name}=0"
         return None
     cc = _compiler()
     if cc is None:
@@ -134,20 +137,21 @@ def _load_pool() -> ctypes.CDLL | None:
     if _pool_tried:
         return _pool
     _pool_tried = True
-    if os.environ.get("PHASELAB_KERNELS", "1") == "0":
-        _pool_reason = "no native kernels: PHASELAB_KERNELS=0"
+    if envs.KERNELS.off():
+        _pool_reason = f"no native kernels: {envs.KERNELS.name}=0"
         return None
-    if os.environ.get(POOL_ENV, "1") == "0":
-        _pool_reason = f"turned off by {POOL_ENV}=0"
+    if envs.POOL.off():
+        _pool_reason = f"turned off by {envs.POOL.name}=0"
         return None
     cc = _compiler()
     if cc is None:
         _pool_reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
         return None
+    spin = _as_set(envs.POOL_SPIN_US)
     try:
-        spin_us = int(os.environ.get(SPIN_ENV, DEFAULT_SPIN_US))
+        spin_us = int(spin)
     except ValueError:
-        raise ValueError(f"{SPIN_ENV} must be a whole number of microseconds, got {os.environ[SPIN_ENV]!r}") from None
+        raise ValueError(f"{envs.POOL_SPIN_US.name} must be a whole number of microseconds, got {spin!r}") from None
     try:
         lib = ctypes.CDLL(str(_build(cc, POOL_SOURCE)))
         if lib.phaselab_pool_abi() != _POOL_ABI:
@@ -175,8 +179,8 @@ def pool_description() -> str:
         return f"torch only ({_pool_reason})"
     if lib is None:
         return f"OpenMP's team ({_pool_reason})"
-    spin = os.environ.get(SPIN_ENV, str(DEFAULT_SPIN_US))
-    return f"phaselab pool (workers spin {spin} us after a call, then sleep; {POOL_ENV}=0 for OpenMP's team)"
+    spin = _as_set(envs.POOL_SPIN_US)
+    return f"phaselab pool (workers spin {spin} us after a call, then sleep; {envs.POOL.name}=0 for OpenMP's team)"
 
 
 def pool_stats() -> dict[str, int] | None:
@@ -187,13 +191,6 @@ def pool_stats() -> dict[str, int] | None:
     buf = (ctypes.c_int64 * 5)()
     lib.phaselab_pool_stats(buf)
     return dict(zip(("calls_pooled", "calls_inline", "chunks_by_workers", "workers", "sleeping"), buf))
-
-
-def set_pool_spin_us(us: int) -> None:
-    """How long the pool's workers stay awake after a call (benchmarks sweep it; 0: sleep at once)."""
-    lib = _load_pool()
-    if lib is not None:
-        lib.phaselab_pool_set_spin_us(int(us))
 
 
 def _require(kernel: str) -> ctypes.CDLL:
@@ -296,7 +293,7 @@ def decode_attn_mode() -> str:
     portable float32 loops; dpbf16 and c force one (a call dpbf16 cannot take still runs the loops).
     dpbf16 on a build without AVX512-BF16 is an error, not a silent fallback.
     """
-    want = os.environ.get(DECODE_ENV, "auto")
+    want = _as_set(envs.DECODE_ATTN)
     if want not in DECODE_MODES:
         raise ValueError(f"{DECODE_ENV}={want!r}: use one of {', '.join(DECODE_MODES)}")
     return want
@@ -353,7 +350,7 @@ def prefill_mode(head_dim: int = 64) -> int | None:
     force one path; one this CPU's build or this head size cannot run is an error, not a
     silent fallback.
     """
-    want = os.environ.get(PREFILL_ENV, "auto")
+    want = _as_set(envs.PREFILL_ATTN)
     if want not in PREFILL_MODES:
         raise ValueError(f"{PREFILL_ENV}={want!r}: use one of {', '.join(PREFILL_MODES)}")
     if want == "torch" or _load() is None:
