@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from phaselab.config import EngineArgs  # noqa: E402
+from phaselab.engine_args import EngineArgs  # noqa: E402
 from phaselab.core.sampling_params import SamplingParams  # noqa: E402
 from phaselab.core.timing import RequestMetrics  # noqa: E402
 from phaselab.engine.engine import LLMEngine  # noqa: E402

@@ -46,7 +46,7 @@ def log(msg: str) -> None:
 
 def engine_matrices():
     """{kind: [PackedLinear per layer]} of the bundled model as served (bf16, weights auto)."""
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
     engine = LLMEngine(EngineArgs(dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=512))

@@ -146,7 +146,7 @@ def run_rows(layers: list[PackedTensor], reps: int) -> dict[str, Any]:
 
 
 def decode_engine(path: str, dtype: str) -> Any:
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
     os.environ["PHASELAB_LINEAR"] = path
@@ -199,7 +199,7 @@ def prefix_prefill(eng: Any, n_new: int, trials: int) -> dict[str, Any]:
 
 def batched_engine(cfg: str) -> Any:
     """DTYPE/PATH[+BATCHED] -> an engine with that linear path (see the module docstring)."""
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
     dtype, _, rest = cfg.partition("/")

@@ -45,7 +45,7 @@ from phaselab.obs.rundir import read_run_dir  # noqa: E402
 from phaselab.sim.calibrate import calibrate  # noqa: E402
 from phaselab.sim.fidelity import (by_kind, compare, real_run, simulate_like, speed_probe,  # noqa: E402
                                    speed_ratio)
-from phaselab.sim.report import summarize  # noqa: E402
+from phaselab.sim.summary import summarize  # noqa: E402
 from phaselab.sim.workload import random_requests  # noqa: E402
 from phaselab.workload.arrivals import ArrivalPlan  # noqa: E402
 

@@ -25,7 +25,7 @@ from phaselab.core.scheduler import Scheduler  # noqa: E402
 from phaselab.sim.catalog import get_hardware, get_model  # noqa: E402
 from phaselab.sim.deployment import Deployment, RoleConfig  # noqa: E402
 from phaselab.sim.loop import simulate  # noqa: E402
-from phaselab.sim.report import summarize  # noqa: E402
+from phaselab.sim.summary import summarize  # noqa: E402
 from phaselab.sim.workload import random_requests  # noqa: E402
 from phaselab.workload.arrivals import ArrivalPlan  # noqa: E402
 

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from phaselab.core.sampling_params import SamplingParams  # noqa: E402
 from phaselab.sim.catalog import get_hardware, get_link, get_model  # noqa: E402
-from phaselab.sim.cost import RooflineCostModel, default_params  # noqa: E402
+from phaselab.sim.pricing import RooflineCostModel, default_params  # noqa: E402
 from phaselab.sim.deployment import Deployment, RoleConfig  # noqa: E402
 from phaselab.sim.loop import simulate  # noqa: E402
 from phaselab.sim.search import SLO, candidates, max_rate  # noqa: E402

@@ -162,7 +162,7 @@ def main() -> int:
 
     import torch
 
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import resolve_dtype
     from phaselab.model.loader import load_checkpoint
     from phaselab.serving_engine import make_engine
@@ -195,7 +195,7 @@ def main() -> int:
     configs: list[tuple[str, dict[str, Any]]] = [("prefill-first", dict(policy="prefill-first"))]
     configs += [(f"chunked-{b}", dict(policy="chunked", max_num_batched_tokens=b)) for b in budgets]
     # SLO-aware serving is told both targets: the budget follows the TBT target, the prefill order
-    # the TTFT target of goodput (core/slo.py's prefill_rank); "-fcfs" keeps the order FCFS, to
+    # the TTFT target of goodput (core/adaptive_budget.py's prefill_rank); "-fcfs" keeps the order FCFS, to
     # show what each of the two does
     configs += [(f"adaptive-{t * 1e3:g}ms", dict(policy="chunked", max_num_batched_tokens=max(budgets),
                                                  slo_tbt_ms=t * 1e3, slo_ttft_ms=ns.ttft_slo_s * 1e3))

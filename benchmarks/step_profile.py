@@ -142,7 +142,7 @@ def profile(eng: Any, batch: int, steps: int, weight_bytes: int) -> dict[str, An
 
 
 def main() -> None:
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
     from phaselab.model.linear_probe import cpu_info
 

@@ -40,7 +40,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
-from phaselab.config import SPIN_COUNT  # noqa: E402  (no torch: the children load it)
+from phaselab.engine_args import SPIN_COUNT  # noqa: E402  (no torch: the children load it)
 
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}
 POLICIES = {"PASSIVE": {**PASSIVE, "PHASELAB_POOL": "0"},
@@ -57,7 +57,7 @@ def child(batches: list[int], output_len: int) -> dict[str, Any]:
     """One engine in this process: median decode-only iteration per batch, and CPU s per step."""
     import numpy as np
 
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.serving_engine import make_engine
     from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from phaselab import envs
 from phaselab.cliargs import add_fields, field_values
-from phaselab.config import SPIN_COUNT, EngineArgs
+from phaselab.engine_args import SPIN_COUNT, EngineArgs
 
 SAMPLE_PROMPT = "Explain in two sentences why the first token of an LLM answer takes longer than the next ones."
 
@@ -47,14 +47,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 def _add_disagg_args(p: argparse.ArgumentParser) -> None:
     """Every DisaggConfig field as a flag (its name without the `_s` unit suffix); used only with
     --mode disagg. Generated, like the engine flags, so a new field is a new flag with its help."""
-    from phaselab.disagg.config import DisaggConfig
+    from phaselab.disagg.disagg_config import DisaggConfig
 
     g = p.add_argument_group("disaggregation (--mode disagg; docs/disaggregation.md)")
     add_fields(g, DisaggConfig, dest_prefix="disagg_", rename=lambda name: name.removesuffix("_s"))
 
 
 def _disagg_config(ns: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from phaselab.disagg.config import DisaggConfig
+    from phaselab.disagg.disagg_config import DisaggConfig
 
     return DisaggConfig(**field_values(ns, DisaggConfig, dest_prefix="disagg_"))
 
@@ -115,10 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_disagg_args(srv)
     # none of these imports torch: the bench measures over HTTP, analysis reads run directories,
     # the simulator drives core's scheduler on a virtual clock
-    from phaselab.analysis.cli import add_analysis_parsers
-    from phaselab.bench.cli import add_bench_parser
-    from phaselab.experiments.cli import add_compare_parser
-    from phaselab.sim.cli import add_simulate_parser
+    from phaselab.analysis.diagnose_cli import add_analysis_parsers
+    from phaselab.bench.bench_cli import add_bench_parser
+    from phaselab.experiments.compare_cli import add_compare_parser
+    from phaselab.sim.simulate_cli import add_simulate_parser
     from phaselab.experiments.plan import add_plan_parser
 
     add_bench_parser(sub)
@@ -230,11 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "serve":
             return cmd_serve(ns)
         if ns.command == "bench":
-            from phaselab.bench.cli import run_bench
+            from phaselab.bench.bench_cli import run_bench
 
             return run_bench(ns)
         if ns.command in ("diagnose", "timeline"):
-            from phaselab.analysis.cli import run_analysis
+            from phaselab.analysis.diagnose_cli import run_analysis
 
             if getattr(ns, "verify", False):  # reruns build engines: the layer above analysis
                 from phaselab.experiments.diagnose_verify import verify_top
@@ -242,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
                 return run_analysis(ns, verify_top)
             return run_analysis(ns)
         if ns.command == "compare":
-            from phaselab.experiments.cli import run_compare_cli
+            from phaselab.experiments.compare_cli import run_compare_cli
 
             return run_compare_cli(ns)
         if ns.command == "simulate":
-            from phaselab.sim.cli import run_simulate
+            from phaselab.sim.simulate_cli import run_simulate
 
             return run_simulate(ns)
         if ns.command == "plan":

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.engine.engine import LLMEngine
 from phaselab.engine.outputs import RequestOutput

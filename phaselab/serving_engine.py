@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.core.outputs import EngineStats
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, RequestMetrics

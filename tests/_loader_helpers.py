@@ -19,7 +19,7 @@ from tokenizers import pre_tokenizers
 
 from phaselab.model.checkpoint import expected_tensor_shapes
 from phaselab.model.gguf_loader import hf_to_gguf_name
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 # A byte-level BPE vocabulary small enough to embed in tests: the 256 byte symbols, a few merges
 # (some across digits and spaces, so pre-tokenizer differences show up), three control tokens.
@@ -42,7 +42,7 @@ def tiny_vocab() -> tuple[list[str], list[int]]:
 
 
 def tiny_tokenizer_metadata(pre: str = "smollm", add_bos: bool = False) -> dict[str, Any]:
-    """GGUF tokenizer metadata as phaselab.spec.gguf.read_metadata returns it."""
+    """GGUF tokenizer metadata as phaselab.modelinfo.gguf.read_metadata returns it."""
     tokens, types = tiny_vocab()
     return {
         "tokenizer.ggml.model": "gpt2",
@@ -96,7 +96,7 @@ def random_weights(hf_config: dict[str, Any], seed: int = 0) -> dict[str, torch.
 
 def write_tiny_tokenizer(directory: str, add_bos: bool = False) -> None:
     """tokenizer.json + tokenizer_config.json exported from the tiny GGUF vocabulary."""
-    from phaselab.spec.tokenizer import Tokenizer
+    from phaselab.modelinfo.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(tiny_tokenizer_metadata(add_bos=add_bos))
     tokenizer.backend.save(os.path.join(directory, "tokenizer.json"))

@@ -28,7 +28,7 @@ PARAGRAPHS = [
 
 
 def bundled_gguf_path() -> str:
-    from phaselab.spec.bundled import default_model_path
+    from phaselab.modelinfo.bundled import default_model_path
 
     return default_model_path()
 
@@ -112,7 +112,7 @@ def compare_greedy(ours: list[int], ref: list[int], prompt: list[int], ref_logit
 
 def make_llm(checkpoint, **options):
     """An LLM over an already loaded checkpoint (saves reloading the GGUF per engine)."""
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
     from phaselab.llm import LLM
 

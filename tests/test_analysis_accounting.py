@@ -329,7 +329,7 @@ def test_diagnosis_files_and_text(tmp_path) -> None:
 def test_diagnose_cli_on_a_run_directory(tmp_path) -> None:
     run = disagg_run()
     write_run_dir(tmp_path / "run", run.requests, run.iterations, run.config)
-    from phaselab.analysis.cli import main
+    from phaselab.analysis.diagnose_cli import main
 
     assert main(["diagnose", str(tmp_path / "run")]) == 0
     assert (tmp_path / "run" / "diagnosis.html").is_file() and (tmp_path / "run" / "diagnosis.md").is_file()
@@ -444,11 +444,11 @@ def test_analysis_imports_no_torch() -> None:
     code = ("import sys\n"
             "import phaselab.analysis, phaselab.analysis.diagnose, phaselab.analysis.accounting, "
             "phaselab.analysis.timeline, phaselab.experiments.compare_report, phaselab.analysis.external, "
-            "phaselab.analysis.cli, phaselab.analysis.advice, phaselab.analysis.predict, phaselab.experiments.diagnose_verify, "
+            "phaselab.analysis.diagnose_cli, phaselab.analysis.advice, phaselab.analysis.predict, phaselab.experiments.diagnose_verify, "
             "phaselab.analysis.attribution, phaselab.analysis.kvcapacity, phaselab.sim.replay, phaselab.sim.loop, "
             "phaselab.experiments.compare, phaselab.experiments.compare_sim, "
-            "phaselab.experiments.cli, phaselab.workload.driver\n"
-            "from phaselab.analysis.cli import main\n"
+            "phaselab.experiments.compare_cli, phaselab.workload.driver\n"
+            "from phaselab.analysis.diagnose_cli import main\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.') or m == 'ray')\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

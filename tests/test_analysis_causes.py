@@ -49,7 +49,7 @@ def checkpoint():
 
 
 def _engine(checkpoint, **kw):
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
     kw = {"kv_cache_memory": kv_memory(256), "max_model_len": 2048, **kw}

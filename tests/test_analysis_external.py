@@ -22,7 +22,7 @@ def _script(body: dict) -> Script:
 
 
 def test_bench_client_run_of_an_interfering_server(tmp_path) -> None:
-    from phaselab.bench.cli import main
+    from phaselab.bench.bench_cli import main
 
     with FakeOpenAIServer(_script) as srv:
         rc = main(["bench", "--base-url", srv.base_url, "--disable-progress", "--endpoint", "completions",

@@ -16,7 +16,7 @@ import pytest
 
 from phaselab.analysis.predict import Change, Predictor
 from phaselab.sim.catalog import get_hardware, get_model
-from phaselab.sim.cost import default_params
+from phaselab.sim.pricing import default_params
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.workload import SimRequest

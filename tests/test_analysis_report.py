@@ -35,7 +35,7 @@ RUN_FILES = ("config.json", "requests.jsonl", "iterations.jsonl", "trace.json",
 def compare_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("compare") / "quick"
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(Path(__file__).parents[1])}
-    r = subprocess.run([sys.executable, "-m", "phaselab.experiments.cli", "compare", "--quick", "--out", str(out)],
+    r = subprocess.run([sys.executable, "-m", "phaselab.experiments.compare_cli", "compare", "--quick", "--out", str(out)],
                        capture_output=True, text=True, timeout=1200, env=env)
     assert r.returncode == 0, f"compare --quick failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return out, r.stdout, r.stderr

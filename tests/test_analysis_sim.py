@@ -9,7 +9,7 @@ import pytest
 
 from phaselab.analysis.diagnose import diagnose
 from phaselab.obs.rundir import read_run_dir
-from phaselab.obs.trace import validate_trace
+from phaselab.obs.perfetto import validate_trace
 
 
 def _check_run_dir(path: Path) -> None:

@@ -66,7 +66,7 @@ def test_many_requests_are_capped(tmp_path) -> None:
 
 
 def test_timeline_cli(two_runs) -> None:
-    from phaselab.analysis.cli import main
+    from phaselab.analysis.diagnose_cli import main
 
     a, b = two_runs
     assert main(["timeline", str(a), str(b)]) == 0

@@ -50,8 +50,8 @@ def _serve(net: NetnsPair, hosts: RayHosts, record: str, log_path: str) -> tuple
 
 def _kv_bytes_per_block() -> int:
     """K and V of one block, from the bundled model's shape (not from the transfer's own count)."""
-    from phaselab.spec.bundled import default_model_path
-    from phaselab.spec.gguf import open_gguf, read_gguf_config
+    from phaselab.modelinfo.bundled import default_model_path
+    from phaselab.modelinfo.gguf import open_gguf, read_gguf_config
 
     cfg = read_gguf_config(open_gguf(default_model_path()))
     itemsize = getattr(torch, serving_dtype()).itemsize  # the cache holds the served dtype

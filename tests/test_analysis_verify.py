@@ -100,7 +100,7 @@ def _scenario(name: str) -> tuple[list[Arrival], dict, str]:
 @pytest.mark.parametrize("cause", ["queue", "prefill", "stall", "kv-capacity", "decode-kv"])
 def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
     from phaselab.experiments.diagnose_verify import verify
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
 
     arrivals, kw, flag = _scenario(cause)
@@ -157,7 +157,7 @@ def test_rerun_hits_the_prefix_cache_where_the_run_did(checkpoint, tmp_path):
     request, equal to the recorded run's (a cache filler, three requests over its 160-token prefix,
     one unrelated prompt)."""
     from phaselab.experiments.diagnose_verify import workload
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
     from phaselab.obs.rundir import read_run_dir
 

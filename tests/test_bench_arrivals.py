@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from phaselab.bench.arrivals import drive
+from phaselab.bench.sender import drive
 from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, gamma_intervals
 from phaselab.bench.client import RequestRecord, RequestSpec
 from phaselab.bench.runner import plan_from

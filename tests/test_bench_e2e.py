@@ -75,7 +75,7 @@ def _server_requests(base: str, proc: subprocess.Popen, record: Path) -> list:
 
 
 def _bench(base: str, *args: str) -> int:
-    from phaselab.bench.cli import main
+    from phaselab.bench.bench_cli import main
 
     return main(["bench", "--base-url", base, "--disable-progress", *args])
 

@@ -21,9 +21,9 @@ import time
 
 import pytest
 
-from phaselab.bench.arrivals import drive
+from phaselab.bench.sender import drive
 from phaselab.workload.arrivals import ArrivalPlan
-from phaselab.bench.cli import main as bench_main
+from phaselab.bench.bench_cli import main as bench_main
 from phaselab.bench.client import ClientConfig, RequestRecord, RequestSpec, StreamingClient, new_record
 from phaselab.bench.metrics import RequestResult, derive, summarize
 from tests._bench_fake_server import FakeOpenAIServer, Script, ServedRequest

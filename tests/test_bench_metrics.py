@@ -9,7 +9,7 @@ import pytest
 
 from phaselab.bench.client import RequestRecord
 from phaselab.bench.metrics import derive, describe, interference_report, is_good, parse_goodput, summarize
-from phaselab.bench.report import metrics_diff, summary_rows
+from phaselab.bench.bench_report import metrics_diff, summary_rows
 from phaselab.workload.lengths import LengthDist, WorkloadError
 
 MS = 1_000_000  # ns

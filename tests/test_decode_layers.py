@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.engine.engine import LLMEngine
 from phaselab.llm import LLM

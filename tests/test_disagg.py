@@ -120,7 +120,7 @@ def test_in_process_workers_move_kv_and_record_backpressure(tmp_path):
     request at a time, so the second waits for blocks and its decode admission wait shows it."""
     import dataclasses
 
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.disagg import DisaggConfig
     from phaselab.disagg.protocol import (
         AdmittedEvent,
@@ -192,7 +192,7 @@ def test_in_process_workers_forget_every_request(tmp_path):
     import dataclasses
     import gc
 
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.disagg import DisaggConfig
     from phaselab.disagg.protocol import FailureEvent, RequestSpec, TokenEvent, TransferSpec
     from phaselab.disagg.worker import DisaggWorker, _Lease, _Progress, _Staged
@@ -354,7 +354,7 @@ def llm_fp32(checkpoint):
 
 @pytest.fixture(scope="module")
 def disagg(cluster, checkpoint):
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.disagg import DisaggConfig
     from phaselab.disagg.router import DisaggEngine
 
@@ -478,7 +478,7 @@ def test_record_metrics_and_trace(disagg, tmp_path):
     import json
 
     from phaselab.obs.rundir import read_run_dir
-    from phaselab.obs.trace import validate_trace
+    from phaselab.obs.perfetto import validate_trace
 
     disagg.write_record(str(tmp_path))
     run = read_run_dir(str(tmp_path))
@@ -634,7 +634,7 @@ def test_last_prefill_death_mid_prefill_is_a_clear_error(disagg, llm_fp32):
 
 @pytest.mark.slow
 def test_layout_mismatch_is_refused_at_handshake(cluster, tmp_path):
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.disagg.router import DisaggEngine
     from tests._loader_helpers import random_weights, tiny_hf_config, write_hf_dir
 

@@ -11,7 +11,7 @@ import torch
 
 from phaselab.engine.ceilings import layer_shapes, main, measure_ceilings
 from phaselab.sim.catalog_files import hardware_from_dict
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 TINY = ModelConfig("llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, name="tiny")
@@ -62,7 +62,7 @@ def tiny_model(tmp_path_factory):
 
 def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("PHASELAB_CEILINGS_DIR", str(tmp_path / "cache"))
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.core.sampling_params import SamplingParams
     from phaselab.serving_engine import make_engine
     from phaselab.sim.calibrate import calibrate
@@ -84,7 +84,7 @@ def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_mo
     for name in ("compute_efficiency", "memory_efficiency", "attention_efficiency", "kv_memory_efficiency"):
         assert 0 < getattr(fit.params, name) <= 1
     # calibrate --measure-host: this host measured now (a subprocess), with the run's model, dtype and threads
-    from phaselab.sim.cli import main as sim_main
+    from phaselab.sim.simulate_cli import main as sim_main
 
     host = tmp_path / "host.json"
     assert sim_main(["simulate", "calibrate", str(tmp_path), "--measure-host", str(host)]) == 0

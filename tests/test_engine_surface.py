@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.core.prompt import validate_prompt
 from phaselab.engine.resolve import resolve
 from phaselab.errors import ConfigError, InvalidRequestError

@@ -173,9 +173,9 @@ def test_module_level_exceptions_are_exact(tmp_path):
     """A row may allow one module of a package (`sim.host`): its siblings stay forbidden."""
     contracts = Contracts({"sim": 1, "engine": 2}, {"sim": frozenset(), "engine": frozenset({"sim.host"})}, frozenset())
     root = _tree(tmp_path, {"engine/a.py": "from phaselab.sim.host import this_cpu\nfrom phaselab.sim import loop\n"
-                                           "from phaselab.sim.cost import CostModel\n"})
+                                           "from phaselab.sim.pricing import CostModel\n"})
     violations, _ = check(root, contracts)
-    assert [(v.line, v.imported) for v in violations] == [(2, "phaselab.sim.loop"), (3, "phaselab.sim.cost")]
+    assert [(v.line, v.imported) for v in violations] == [(2, "phaselab.sim.loop"), (3, "phaselab.sim.pricing")]
 
 
 def test_every_package_is_in_the_module_map():

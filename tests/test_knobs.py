@@ -29,7 +29,7 @@ LIST_FLAGS = {
     ("experiments/plan.py", "--max-num-seqs"): "seats per engine to try, a list",
     ("experiments/plan.py", "--slo-tbt-ms"): "the plan's required TBT target",
     ("experiments/plan.py", "--slo-ttft-ms"): "the plan's required TTFT target",
-    ("experiments/cli.py", "--slo-tbt-ms"): "compare's adaptive configurations, a list of targets",
+    ("experiments/compare_cli.py", "--slo-tbt-ms"): "compare's adaptive configurations, a list of targets",
 }
 
 
@@ -138,7 +138,7 @@ def test_shared_list_defaults_are_written_once():
 def test_the_copies_are_the_declaration():
     """Behaviour, not just structure: every carrier's default and help of an option is core's (an
     option left unset says in its help what None means), and the engine and the simulator agree."""
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.sim.deployment import Deployment, RoleConfig
 
     core = {f.name: f for cls in (SchedulerConfig, CacheConfig) for f in dataclasses.fields(cls)}

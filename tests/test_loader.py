@@ -26,7 +26,7 @@ from tests._loader_helpers import (
 from phaselab.errors import ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from phaselab.model.checkpoint import expected_tensor_shapes
 from phaselab.model.loader import load_checkpoint
-from phaselab.spec.bundled import default_model_path
+from phaselab.modelinfo.bundled import default_model_path
 
 QT = gguf.GGMLQuantizationType
 
@@ -301,7 +301,7 @@ def test_tokenizer_larger_than_embedding(tmp_path):
 
 
 def test_expected_shapes_match_parameter_count():
-    from phaselab.spec.config import ModelConfig
+    from phaselab.modelinfo.model_config import ModelConfig
 
     for arch, tie, bias in [("LlamaForCausalLM", True, False), ("LlamaForCausalLM", False, True),
                             ("Qwen2ForCausalLM", False, True)]:

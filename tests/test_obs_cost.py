@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import ModeledCost
-from phaselab.obs.cost import keys_attended, modeled_cost
-from phaselab.spec.config import ModelConfig
+from phaselab.obs.modeled_cost import keys_attended, modeled_cost
+from phaselab.modelinfo.model_config import ModelConfig
 
 
 def tiny(tied: bool) -> ModelConfig:
@@ -103,7 +103,7 @@ def test_chunking_keeps_attention_flops_but_rereads_the_prefix(chunk_sizes: list
 
 def test_obs_imports_no_torch() -> None:
     code = (
-        "import sys, phaselab.obs, phaselab.obs.cost, phaselab.obs.prometheus, phaselab.obs.trace, "
+        "import sys, phaselab.obs, phaselab.obs.modeled_cost, phaselab.obs.prometheus, phaselab.obs.perfetto, "
         "phaselab.obs.rundir; assert 'torch' not in sys.modules, 'phaselab.obs pulled in torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
@@ -170,7 +170,7 @@ def _slot_rereads(plan, block_size) -> int:
 def test_repeated_kv_reads_match_a_count_of_physical_slots(prefixes, picks, block_size) -> None:
     """kv_repeat_read_bytes (a shared prefix's re-reads within one step) equals a count of the
     physical slots the plan's entries read, and never exceeds what is read."""
-    from phaselab.obs.cost import CostFormulas
+    from phaselab.obs.modeled_cost import CostFormulas
 
     formulas = CostFormulas(tiny(True), 2)
     for plan in _shared_prefix_plans(prefixes, picks, block_size):
@@ -182,7 +182,7 @@ def test_repeated_kv_reads_match_a_count_of_physical_slots(prefixes, picks, bloc
 def test_decodes_over_a_cached_prefix_reread_it() -> None:
     """Four requests over one 24-token prefix, arriving a step apart: once they decode together,
     three of them re-read the prefix's six full blocks each step; the first-block grouping misses none."""
-    from phaselab.obs.cost import CostFormulas
+    from phaselab.obs.modeled_cost import CostFormulas
 
     formulas = CostFormulas(tiny(True), 2)
     plans = list(_shared_prefix_plans([24], [(0, 3, 12)] * 4, 4))

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from phaselab.core.timing import TTFT_COMPONENTS, PrefillChunk, RequestMetrics
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import RunDirError, read_run_dir, write_run_dir
-from phaselab.obs.trace import validate_trace
+from phaselab.obs.perfetto import validate_trace
 from tests.test_obs_trace import MS, make_run
 
 

@@ -16,7 +16,7 @@ from phaselab.core.timing import (
     RequestMetrics,
     ScheduledChunk,
 )
-from phaselab.obs.trace import ITERATION_TID, build_trace, validate_trace, write_trace
+from phaselab.obs.perfetto import ITERATION_TID, build_trace, validate_trace, write_trace
 
 MS = 1_000_000  # ns
 

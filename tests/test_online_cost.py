@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phaselab.core.online_cost import BudgetLearner, FitterConfig, OnlineCostFitter, shape_plan, warm_up_shapes
-from phaselab.core.slo import IterationCostCoefficients, iteration_features, plan_features
+from phaselab.core.adaptive_budget import IterationCostCoefficients, iteration_features, plan_features
 
 TRUE = IterationCostCoefficients(overhead_s=0.02, prefill_token_s=4e-4, prefill_context_s=2e-8,
                                  decode_seq_s=1.5e-3, decode_context_s=3e-7)

@@ -94,7 +94,7 @@ def test_prometheus_counts_equal_finished_requests(run):
 
 
 def test_trace_is_valid_and_has_one_slice_per_iteration(run):
-    from phaselab.obs.trace import validate_trace
+    from phaselab.obs.perfetto import validate_trace
 
     _, data, path = run
     trace = json.loads((path / "trace.json").read_text())

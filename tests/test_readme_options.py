@@ -1,5 +1,5 @@
 """README's engine-option list names every option EngineArgs declares (and no option it does not):
-the declaration in phaselab/config.py is the one source, the README a reader's index of it."""
+the declaration in phaselab/engine_args.py is the one source, the README a reader's index of it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -122,7 +122,7 @@ def _run(engine, out_dir: str) -> list[RequestMetrics]:
 
 
 def test_engine_and_simulator_make_the_same_record_from_the_same_plan(tiny_model, tmp_path):
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.serving_engine import make_engine
     from phaselab.sim.replay import replay
 
@@ -148,7 +148,7 @@ def test_engine_and_simulator_make_the_same_record_from_the_same_plan(tiny_model
 
 @pytest.mark.slow
 def test_router_and_simulator_make_the_same_disaggregated_record(tiny_model, tmp_path):
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.obs.rundir import read_run_dir
     from phaselab.serving_engine import make_engine
     from phaselab.sim.loop import Simulator

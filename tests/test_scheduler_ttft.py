@@ -1,10 +1,10 @@
-"""The TTFT order (SchedulerConfig.slo_ttft_ms, core/slo.py's prefill_rank): measured on the
+"""The TTFT order (SchedulerConfig.slo_ttft_ms, core/adaptive_budget.py's prefill_rank): measured on the
 scheduler with the fake executor of test_scheduler (one step = one second of its clock), each
 against the same arrivals served FCFS."""
 
 from __future__ import annotations
 
-from phaselab.core.slo import TTFT_URGENT_FRACTION
+from phaselab.core.adaptive_budget import TTFT_URGENT_FRACTION
 from tests.test_scheduler import Harness
 
 LONG = list(range(1, 41))  # 40 tokens: three chunks of 16

@@ -559,7 +559,7 @@ def test_sigterm_drains_then_exits_zero(guarded):
 
 # -- engine isolation (in-process, tiny random model) ----------------------------------------------------------------
 def test_engine_failure_fails_requests_with_500_and_health_503(tmp_path):
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
     from phaselab.server.app import ServerConfig, ServerState, create_app, shutdown_engine
     from phaselab.server.engine_thread import EngineThread

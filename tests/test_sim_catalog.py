@@ -9,7 +9,7 @@ from phaselab.errors import ConfigError, UnsupportedModelError
 from phaselab.sim.catalog import (
     HARDWARE, LINKS, MODELS, get_hardware, get_link, get_model, model_from_hf_config, source_of,
 )
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 GiB, KiB = 2**30, 2**10
 
@@ -107,7 +107,7 @@ def _write(path, obj):
 
 
 def test_hardware_and_link_from_files_work_where_names_do(tmp_path):
-    from phaselab.sim.cost import RooflineCostModel, default_params
+    from phaselab.sim.pricing import RooflineCostModel, default_params
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
     from phaselab.sim.workload import random_requests
@@ -129,7 +129,7 @@ def test_hardware_and_link_from_files_work_where_names_do(tmp_path):
     assert all(m.finish_reason == "length" for m in result.requests)
     from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
     from phaselab.core.sampling_params import SamplingParams
-    from phaselab.sim.cli import main
+    from phaselab.sim.simulate_cli import main
 
     decode = cm.predict(SchedulerOutput(0, [ScheduledRequest("r", [0], 100, [], [], True, False, SamplingParams())]))
     assert decode.linear_s == pytest.approx(decode.modeled.weight_bytes / (4e12 * 0.9), rel=1e-6)
@@ -166,7 +166,7 @@ def test_a_long_context_model_from_its_hf_config(tmp_path):
     from phaselab.sim.workload import SimRequest
 
     path = _write(tmp_path / "config.json", YI_34B_200K)
-    from phaselab.sim.cli import resolve_model
+    from phaselab.sim.simulate_cli import resolve_model
 
     m = resolve_model(path)
     assert m.max_position_embeddings == 200000 and m.kv_bytes_per_token(2) == 2 * 60 * 8 * 128 * 2

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from phaselab.obs.rundir import read_run_dir
-from phaselab.sim.cli import add_simulate_parser, main, run_simulate
+from phaselab.sim.simulate_cli import add_simulate_parser, main, run_simulate
 from tests.test_sim_replay import TINY, _as_real_run
 
 
@@ -89,7 +89,7 @@ def test_exact_prompts_are_the_benchs_own():
 
     from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer
     from phaselab.sim.catalog import get_hardware, get_model
-    from phaselab.sim.cli import build_workload
+    from phaselab.sim.simulate_cli import build_workload
     from phaselab.sim.deployment import Deployment
     from phaselab.sim.loop import simulate
 

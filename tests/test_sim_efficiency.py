@@ -14,7 +14,7 @@ from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import get_hardware, get_link, get_model
-from phaselab.sim.cost import CostParams, RooflineCostModel, default_params
+from phaselab.sim.pricing import CostParams, RooflineCostModel, default_params
 from phaselab.sim.efficiency import attention_efficiency, gemm_efficiency, kv_read_efficiency
 from phaselab.sim.fit import fit_device, gemm_time
 from phaselab.sim.profiles import ELEMENTWISE_OPS, GEMM_OPS, read_compute_table
@@ -178,7 +178,7 @@ def test_the_shipped_a100_fit_is_what_simulate_fit_makes_from_the_packaged_table
     Vidur tables gives the same parameters."""
     import json
 
-    from phaselab.sim.cli import main
+    from phaselab.sim.simulate_cli import main
     from phaselab.sim.fit import load_fit_json
 
     out = tmp_path / "a100.json"

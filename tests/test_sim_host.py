@@ -16,8 +16,8 @@ from phaselab.errors import ConfigError
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.calibrate import calibrate
 from phaselab.sim.catalog import get_hardware, get_model
-from phaselab.sim.cli import main
-from phaselab.sim.cost import CostParams
+from phaselab.sim.simulate_cli import main
+from phaselab.sim.pricing import CostParams
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.fidelity import by_kind, simulate_like
 from phaselab.sim.host import hardware_to_dict, host_mismatch, run_hardware

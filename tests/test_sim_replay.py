@@ -15,7 +15,7 @@ from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import ReplayError, replay, replay_inputs
 from phaselab.sim.workload import SimRequest
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 TINY = ModelConfig("llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)

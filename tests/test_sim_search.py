@@ -82,7 +82,7 @@ def test_search_takes_another_cost_model():
     the P99 time between tokens it judges doubles, and under an SLO between the two the slower model
     meets it only at a lower rate."""
     from phaselab.sim.catalog import get_hardware, get_model
-    from phaselab.sim.cost import RooflineCostModel
+    from phaselab.sim.pricing import RooflineCostModel
     from phaselab.sim.search import SLO, candidates, random_workload_at, search
 
     model, hw = get_model("llama-3-8b"), get_hardware("h100")

@@ -1,6 +1,6 @@
 """The adaptive prefill budget (issue 17): property tests on the pure policy and on the scheduler.
 
-Truth comes from outside core/slo.py: an iteration's time is recounted query by query (each
+Truth comes from outside core/adaptive_budget.py: an iteration's time is recounted query by query (each
 prefill token at position p attends p + 1 keys, each decode its whole context), and the best
 budget is found by trying every budget in turn instead of the bisection under test. The
 "perfect cost model" runs price each plan the scheduler emits with the same coefficients the
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from phaselab.core.slo import BudgetDecision, IterationCostCoefficients, choose_prefill_budget
+from phaselab.core.adaptive_budget import BudgetDecision, IterationCostCoefficients, choose_prefill_budget
 from phaselab.errors import ConfigError
 from tests.test_scheduler import Harness
 

@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 
 from phaselab.workload.interference import InterferenceParams
-from phaselab.core.slo import IterationCostCoefficients, plan_features
+from phaselab.core.adaptive_budget import IterationCostCoefficients, plan_features
 from phaselab.sim.catalog import get_hardware, get_model
-from phaselab.sim.cost import IterationCost
+from phaselab.sim.pricing import IterationCost
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.core.scheduler import Scheduler
 from phaselab.sim.loop import simulate, warm_up_learner
@@ -88,7 +88,7 @@ def test_roofline_model_learns_online():
 
 
 def test_trace_shows_the_budget_over_time():
-    from phaselab.obs.trace import build_trace, validate_trace
+    from phaselab.obs.perfetto import build_trace, validate_trace
 
     d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=4096, slo_tbt_ms=12.0, slo_min_chunk=16))
     result = simulate(d, _interference(), cost_model_factory=lambda *_: LinearCostModel())

@@ -1,4 +1,4 @@
-"""phaselab.spec, the torch-free model description: it imports no torch, and its counts (parameters,
+"""phaselab.modelinfo, the torch-free model description: it imports no torch, and its counts (parameters,
 modeled FLOPs and bytes) agree with counts taken elsewhere: a hand count of SmolLM2's published shape,
 the tensors stored in the bundled GGUF, and a Hugging Face transformers model built in torch."""
 
@@ -13,10 +13,10 @@ import torch
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.obs.cost import CostFormulas, modeled_cost
+from phaselab.obs.modeled_cost import CostFormulas, modeled_cost
 from phaselab.sim.catalog import get_model
-from phaselab.spec.config import ModelConfig
-from phaselab.spec.gguf import open_gguf, read_gguf_config
+from phaselab.modelinfo.model_config import ModelConfig
+from phaselab.modelinfo.gguf import open_gguf, read_gguf_config
 
 # SmolLM2-135M (docs/design.md, "The bundled model"): 30 layers, hidden 576, 9 heads, 3 KV heads of 64, MLP 1536,
 # vocab 49152, tied embeddings. By hand:
@@ -31,13 +31,13 @@ SMOLLM2_PARAMETERS = 134_515_008
 def test_spec_imports_no_torch():
     code = (
         "import sys\n"
-        "import phaselab.spec, phaselab.spec.config, phaselab.spec.gguf, phaselab.spec.tokenizer, "
-        "phaselab.spec.bundled\n"
-        "from phaselab.spec.bundled import default_model_path\n"
-        "from phaselab.spec.tokenizer import load_tokenizer\n"
+        "import phaselab.modelinfo, phaselab.modelinfo.model_config, phaselab.modelinfo.gguf, phaselab.modelinfo.tokenizer, "
+        "phaselab.modelinfo.bundled\n"
+        "from phaselab.modelinfo.bundled import default_model_path\n"
+        "from phaselab.modelinfo.tokenizer import load_tokenizer\n"
         "load_tokenizer(default_model_path())  # a GGUF vocabulary, read without the model loader\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
-        "assert not bad, f'phaselab.spec imported {bad[:3]}'\n"
+        "assert not bad, f'phaselab.modelinfo imported {bad[:3]}'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 

@@ -17,7 +17,7 @@ import os
 import pytest
 
 from phaselab.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from phaselab.spec.tokenizer import Tokenizer, load_tokenizer
+from phaselab.modelinfo.tokenizer import Tokenizer, load_tokenizer
 from tests._loader_helpers import (
     CHAT_TEMPLATE,
     TINY_VOCAB_SIZE,

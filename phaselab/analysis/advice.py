@@ -32,7 +32,7 @@ WORKED_FRACTION = 0.5  # worked if at least half of the predicted improvement is
 
 
 def _scaled_memory(text: Any, factor: float) -> str:
-    from phaselab.config import parse_bytes
+    from phaselab.engine_args import parse_bytes
 
     return f"{max(1, int(parse_bytes(text) * factor / 2**20))}MiB"
 

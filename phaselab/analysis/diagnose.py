@@ -52,7 +52,7 @@ from phaselab.analysis.measures import (
     summarize,
     ttft_breakdown,
 )
-from phaselab.analysis.slo import SloJudgement, judge_slo
+from phaselab.analysis.slo_judgement import SloJudgement, judge_slo
 from phaselab.obs.rundir import RunData, read_run_dir
 
 
@@ -74,7 +74,7 @@ class Diagnosis:
     ceilings: Ceilings
     notes: list[str] = field(default_factory=list)
     external: dict[str, Any] | None = None  # client run: what the server's /metrics said
-    slo: SloJudgement | None = None  # the adaptive budget's TBT target (analysis/slo.py)
+    slo: SloJudgement | None = None  # the adaptive budget's TBT target (analysis/slo_judgement.py)
 
     @property
     def top(self) -> Finding | None:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from phaselab.analysis import fmt
 from phaselab.analysis.accounting import CAUSES
 from phaselab.analysis.doc import Bullets, Doc, Heading, Para, Table
-from phaselab.analysis.slo import slo_section
+from phaselab.analysis.slo_judgement import slo_section
 
 if TYPE_CHECKING:
     from phaselab.analysis.diagnose import Diagnosis

@@ -16,11 +16,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phaselab.bench.arrivals import drive
+from phaselab.bench.sender import drive
 from phaselab.bench.client import ClientConfig, RequestRecord, RequestSpec, StreamingClient, fetch_metrics_text
 from phaselab.bench.metrics import DEFAULT_PERCENTILES, interference_report, summarize
 from phaselab.bench.metrics import derive as derive_metrics
-from phaselab.bench.report import Progress
+from phaselab.bench.bench_report import Progress
 from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, workload_seeds
 
 
@@ -106,7 +106,7 @@ async def run_specs(
     if any(r.group == "long" for r in results) and any(r.group == "stream" for r in results):
         result["interference"] = interference_report(results, settings.stall_factor)
     if metrics_before is not None and metrics_after is not None:
-        from phaselab.bench.report import metrics_diff
+        from phaselab.bench.bench_report import metrics_diff
 
         result["server_metrics_diff"] = metrics_diff(metrics_before, metrics_after)
     result["notes"] = notes

@@ -111,7 +111,7 @@ class SchedulerConfig:
 
     @property
     def adaptive(self) -> bool:
-        """The prefill budget follows the TBT target (core/slo.py) instead of staying fixed."""
+        """The prefill budget follows the TBT target (core/adaptive_budget.py) instead of staying fixed."""
         return self.slo_tbt_ms > 0
 
 

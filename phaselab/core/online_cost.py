@@ -1,4 +1,4 @@
-"""The online fit of the iteration cost coefficients (core/slo.py) from measured iterations.
+"""The online fit of the iteration cost coefficients (core/adaptive_budget.py) from measured iterations.
 
     seed theta_0 (a calibration file, or a short warm-up's fit)
     every measured iteration: x = features(plan) = (1, prefill tokens, prefill keys, decodes, decode keys),
@@ -34,7 +34,7 @@ from typing import Any
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.slo import COEFFICIENT_NAMES, IterationCostCoefficients, plan_features
+from phaselab.core.adaptive_budget import COEFFICIENT_NAMES, IterationCostCoefficients, plan_features
 from phaselab.errors import ConfigError
 
 # nominal size of each regressor in one busy iteration: its coefficient in scaled units is "seconds
@@ -64,7 +64,7 @@ class OnlineCostFitter:
     def __init__(self, seed: IterationCostCoefficients, config: FitterConfig | None = None,
                  lower: IterationCostCoefficients | None = None,
                  upper: IterationCostCoefficients | None = None, wide_rows: int | None = None) -> None:
-        """wide_rows: the engine's max_native_rows (core/slo.py; None: the seed's)."""
+        """wide_rows: the engine's max_native_rows (core/adaptive_budget.py; None: the seed's)."""
         self.config = cfg = config or FitterConfig()
         self.wide_rows = seed.wide_rows if wide_rows is None else wide_rows
         self._lower = [v * s for v, s in zip((lower or IterationCostCoefficients()).as_tuple(), FEATURE_SCALES)]

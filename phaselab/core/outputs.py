@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.slo import BudgetDecision
+from phaselab.core.adaptive_budget import BudgetDecision
 
 
 @dataclass

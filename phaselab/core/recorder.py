@@ -11,7 +11,7 @@ ran it. The recorder never reads a clock: every stamp is passed in by the loop (
          │                                                └─ None: await mark_delivered(id, sent)
          ├─ admit(record, request, admitted): decode admission of a request prefilled elsewhere
          └─ drop(id): forgotten without a record (a parked request whose KV left, or a resumed copy)
-    iteration(plan, ..., predicted_s) ─▶ IterationRecord (+ the adaptive budget's decision, core/slo.py)
+    iteration(plan, ..., predicted_s) ─▶ IterationRecord (+ the adaptive budget's decision, core/adaptive_budget.py)
     add_iteration(rec): one built elsewhere (a worker's)
 
 Closing a record sets `finished_ns` (never before its last token was sent) and then applies the
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from phaselab.core.outputs import RequestDelta, SchedulerOutput
-from phaselab.core.slo import budget_fields
+from phaselab.core.adaptive_budget import budget_fields
 from phaselab.core.timing import IterationRecord, ModeledCost, RequestMetrics, ScheduledChunk
 
 

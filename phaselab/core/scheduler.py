@@ -28,7 +28,7 @@ Policies (SchedulerConfig.policy):
   max_num_batched_tokens >= max_model_len).
 
 Adaptive budget (SchedulerConfig.slo_tbt_ms > 0, chunked only): before serving, the iteration's
-prefill tokens are capped by core/slo.py's choose_prefill_budget, from the running decodes, the
+prefill tokens are capped by core/adaptive_budget.py's choose_prefill_budget, from the running decodes, the
 pending prefill segments (partial prefills in running order, then the waiting requests that have
 a seat, each from its prefix-cache hit and capped by long_prefill_token_threshold) and the cost
 coefficients the engine last fitted (`set_cost_coefficients`). The rules above are unchanged: the
@@ -36,7 +36,7 @@ cap only lowers how many prefill tokens the budget leaves. The decision rides on
 (`plan.budget`) for the iteration record.
 
 Prefill order (SchedulerConfig.slo_ttft_ms > 0 and schedule(now)): the waiting queue is kept in
-core/slo.py's prefill_rank order instead of FCFS: requests resuming after a preemption first, then
+core/adaptive_budget.py's prefill_rank order instead of FCFS: requests resuming after a preemption first, then
 those that have waited half their TTFT target (FCFS), then the shortest remaining prompt. With the
 chunked policy a request mid-prefill yields to the head of that queue when the head ranks before
 it (a short prompt that arrived during a long one's chunks): the admissions take the budget first
@@ -88,7 +88,7 @@ from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from phaselab.core.outputs import RequestDelta, ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.core.request import Request, RequestStatus
-from phaselab.core.slo import (
+from phaselab.core.adaptive_budget import (
     BudgetDecision,
     IterationCostCoefficients,
     choose_prefill_budget,
@@ -268,7 +268,7 @@ class Scheduler:
         return plan
 
     def _order_prefills(self, now: float | None) -> set[str]:
-        """With a TTFT target and the caller's clock, put the waiting queue in core/slo.py's
+        """With a TTFT target and the caller's clock, put the waiting queue in core/adaptive_budget.py's
         prefill_rank order (resuming first, then those that waited half their target, FCFS, then
         the shortest remaining prompt) and return the running mid-prefill requests that yield this
         iteration's prefill tokens to the head of that queue (they are served after the
@@ -291,7 +291,7 @@ class Scheduler:
         return {r.request_id for r in self.running if r.is_prefill and head < rank(r)}
 
     def _choose_budget(self) -> BudgetDecision:
-        """The adaptive prefill budget of this iteration (core/slo.py), from the counters; the
+        """The adaptive prefill budget of this iteration (core/adaptive_budget.py), from the counters; the
         pending prefills in the order they will be served (partial prefills in running order, the
         waiting requests with a seat, the partial prefills yielding to them)."""
         cfg = self.scheduler_config

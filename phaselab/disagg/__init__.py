@@ -2,7 +2,7 @@
 request's blocks between them, and the router that places requests and streams their tokens.
 See docs/disaggregation.md."""
 
-from phaselab.disagg.config import DisaggConfig
+from phaselab.disagg.disagg_config import DisaggConfig
 from phaselab.disagg.connector import (
     KVLayout,
     KVLayoutMismatchError,

@@ -12,8 +12,8 @@ import os
 import time
 from typing import Any
 
-from phaselab.config import EngineArgs
-from phaselab.disagg.config import DisaggConfig
+from phaselab.engine_args import EngineArgs
+from phaselab.disagg.disagg_config import DisaggConfig
 from phaselab.disagg.connector import handshake
 from phaselab.disagg.process import WorkerHandle, worker_env
 from phaselab.disagg.worker import DisaggWorker

@@ -146,4 +146,4 @@ class WorkerInfo:
     node_id: str
     pid: int
     run_config: dict[str, Any]
-    model_config: Any = None  # phaselab.spec.config.ModelConfig
+    model_config: Any = None  # phaselab.modelinfo.model_config.ModelConfig

@@ -36,14 +36,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.core.outputs import EngineStats, TokenLogprobs
 from phaselab.core.prompt import validate_prompt
 from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.routing import RoutingPolicy, WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, RequestMetrics
-from phaselab.disagg.config import DisaggConfig
+from phaselab.disagg.disagg_config import DisaggConfig
 from phaselab.disagg.connector import KVSource
 from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics
 from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
@@ -139,8 +139,8 @@ class DisaggEngine:
         self._attempt_seq = 0
         self._boot_id = boot_id()
 
-        from phaselab.spec.bundled import default_model_path
-        from phaselab.spec.tokenizer import load_tokenizer
+        from phaselab.modelinfo.bundled import default_model_path
+        from phaselab.modelinfo.tokenizer import load_tokenizer
 
         if checkpoint is not None:
             self.tokenizer = checkpoint.tokenizer

@@ -42,9 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.core.timing import RequestMetrics
-from phaselab.disagg.config import DisaggConfig
+from phaselab.disagg.disagg_config import DisaggConfig
 from phaselab.disagg.connector import (
     KVLayout,
     KVLayoutMismatchError,

@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING
 
 from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
-from phaselab.core.slo import IterationCostCoefficients
+from phaselab.core.adaptive_budget import IterationCostCoefficients
 from phaselab.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from phaselab.sim.host import ISA_FLAGS, ceilings_key, ceilings_file, model_shapes, read_cached, this_cpu  # noqa: F401
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 GEMM_ROWS = (256, 1024, 2048)
 BANDWIDTH_BYTES = 256 * 2**20  # far beyond any L3 of these hosts (32 MiB on the EPYC)

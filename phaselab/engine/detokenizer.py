@@ -32,7 +32,7 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class SupportsDecode(Protocol):
-    """The one tokenizer method the detokenizer needs (phaselab.spec.tokenizer.Tokenizer and
+    """The one tokenizer method the detokenizer needs (phaselab.modelinfo.tokenizer.Tokenizer and
     `tokenizers.Tokenizer` both have it)."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...

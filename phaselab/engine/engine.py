@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from phaselab.config import EngineArgs
+from phaselab.engine_args import EngineArgs
 from phaselab.engine.runtime_settings import runtime_settings, tune_allocator
 from phaselab.core.executor import Executor
 from phaselab.core.outputs import EngineStats, RequestDelta, SchedulerOutput, StepResult, TokenLogprobs
@@ -50,10 +50,10 @@ from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
 from phaselab.model.sampler import Sampler
-from phaselab.obs.cost import CostFormulas, StoredWeights
+from phaselab.obs.modeled_cost import CostFormulas, StoredWeights
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
-from phaselab.spec.tokenizer import Tokenizer
+from phaselab.modelinfo.tokenizer import Tokenizer
 
 logger = logging.getLogger("phaselab.engine")
 
@@ -116,7 +116,7 @@ class LLMEngine:
         # -- the phase record (docs/metrics.md) --
         self.worker, self.role = worker, role
         self.dtype_bytes = torch.finfo(self.dtype).bits // 8
-        # the records' modeled counts (obs/cost.py), with the weights priced as this engine keeps them
+        # the records' modeled counts (obs/modeled_cost.py), with the weights priced as this engine keeps them
         self.cost_formulas = CostFormulas(self.model_config, self.dtype_bytes,
                                           StoredWeights.from_linear(self.linear_summary))
         self.stamp_sent = True  # offline: "sent" = handed to the caller; a server stamps the socket write

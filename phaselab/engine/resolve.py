@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from phaselab.config import EngineArgs, parse_bytes
+from phaselab.engine_args import EngineArgs, parse_bytes
 from phaselab.core.config import CacheConfig, SchedulerConfig, scheduler_options
 from phaselab.errors import ConfigError
 

@@ -17,7 +17,7 @@ from phaselab.model import hugepages, kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.sampler import Sampler
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 
 def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from phaselab.analysis.diagnose import Diagnosis, diagnose, write_diagnosis
-from phaselab.config import SPIN_COUNT
+from phaselab.engine_args import SPIN_COUNT
 from phaselab.core.config import knob
 from phaselab.workload.driver import interference_arrivals, run_arrivals, sweep_arrivals
 from phaselab.workload.interference import InterferenceParams
@@ -214,7 +214,7 @@ class CompareResult:
 
 
 def _engine_args(plan: Plan, cfg: RunConfig) -> Any:
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
 
     # dtype and weights "auto", as `phaselab serve` runs them (the packed blocks through the native
     # kernels where they measure fastest; plan.dtype is what auto chose in run_compare);

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from phaselab.experiments.cli import COMPARE_BUDGETS
+from phaselab.experiments.compare_cli import COMPARE_BUDGETS
 
 from phaselab.analysis.diagnose import diagnose, write_diagnosis
 from phaselab.experiments.compare import (
@@ -78,7 +78,7 @@ def sim_spec(model: str, hardware: str, num_gpus: int = 8, tp: int | None = None
     from phaselab.errors import ConfigError
     from phaselab.sim.catalog import get_hardware, get_link
     from phaselab.sim.catalog_files import is_file_ref
-    from phaselab.sim.cli import DTYPE_BYTES, resolve_model
+    from phaselab.sim.simulate_cli import DTYPE_BYTES, resolve_model
 
     m, hw = resolve_model(model), get_hardware(hardware)
     if dtype not in DTYPE_BYTES:
@@ -117,7 +117,7 @@ def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = COMPARE_BUDGETS, disag
         configs.append(RunConfig(f"disagg-{spec.num_prefill}p{spec.num_decode}d",
                                  f"disaggregated {spec.num_prefill}P:{spec.num_decode}D (TP{tp}), KV over {spec.link}",
                                  mode="disagg", budget=budgets[0] if budgets else None))
-    from phaselab.sim.cli import resolve_model
+    from phaselab.sim.simulate_cli import resolve_model
 
     context = resolve_model(spec.model).max_position_embeddings
     lens = tuple(n for n in SIM_SWEEP_LENS if n + SIM_SWEEP_OUTPUT_LEN < context)  # (and what the KV cache holds)
@@ -128,8 +128,8 @@ def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = COMPARE_BUDGETS, disag
 
 def sim_deployment(spec: SimSpec, cfg: RunConfig) -> Any:
     from phaselab.sim.catalog import get_hardware
-    from phaselab.sim.cli import DTYPE_BYTES, resolve_model
-    from phaselab.sim.cost import CostParams
+    from phaselab.sim.simulate_cli import DTYPE_BYTES, resolve_model
+    from phaselab.sim.pricing import CostParams
     from phaselab.sim.deployment import Deployment, RoleConfig
 
     common: dict[str, Any] = dict(dtype_bytes=DTYPE_BYTES[spec.dtype], transfer_link=spec.link,

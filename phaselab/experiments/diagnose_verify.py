@@ -130,7 +130,7 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
 
 
 def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any], what: str) -> dict[str, float | None]:
-    from phaselab.config import EngineArgs
+    from phaselab.engine_args import EngineArgs
     from phaselab.serving_engine import make_engine
     from phaselab.workload.driver import run_arrivals
 

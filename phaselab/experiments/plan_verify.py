@@ -95,7 +95,7 @@ class VerifyRow:
 def attainment_and_goodput(requests: Sequence[Any], ttft_s: float, tpot_s: float) -> tuple[float, float]:
     """The share of requests meeting both SLOs (sim.report.slo_attainment's rule) and goodput: those
     requests per second of the run (first arrival to last finish); (0, 0) for no requests."""
-    from phaselab.sim.report import slo_attainment
+    from phaselab.sim.summary import slo_attainment
 
     if not requests:
         return 0.0, 0.0
@@ -132,7 +132,7 @@ class Verifier:
         return hardware_from_dict(ceilings, "measured now on this host by phaselab plan --verify")
 
     def engine(self, sched: Any, max_model_len: int) -> Any:
-        from phaselab.config import EngineArgs
+        from phaselab.engine_args import EngineArgs
         from phaselab.core.config import scheduler_options
         from phaselab.serving_engine import make_engine
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from phaselab.errors import ModelFormatError
-from phaselab.spec.config import ModelConfig
-from phaselab.spec.tokenizer import Tokenizer
+from phaselab.modelinfo.model_config import ModelConfig
+from phaselab.modelinfo.tokenizer import Tokenizer
 
 
 @dataclass

@@ -28,8 +28,8 @@ import torch
 
 from phaselab.errors import ModelFormatError, UnsupportedModelError
 from phaselab.model.checkpoint import LoadedCheckpoint, check_tensor_shapes
-from phaselab.spec.gguf import open_gguf, read_gguf_config, read_metadata
-from phaselab.spec.tokenizer import Tokenizer, load_tokenizer
+from phaselab.modelinfo.gguf import open_gguf, read_gguf_config, read_metadata
+from phaselab.modelinfo.tokenizer import Tokenizer, load_tokenizer
 
 
 def _gguf() -> Any:

@@ -112,7 +112,7 @@ class LinearDecision:
     @property
     def wide_rows(self) -> int:
         """Rows above which a forward leaves the one-row kernel for the batched GEMM, a cost step the
-        cost models price apart (core/slo.py, sim/calibrate.py); 0 when every layer runs through torch."""
+        cost models price apart (core/adaptive_budget.py, sim/calibrate.py); 0 when every layer runs through torch."""
         return self.max_native_rows if self.path != "torch" else 0
 
     def summary(self) -> str:
@@ -153,7 +153,7 @@ def has_gguf_blocks(model: str | None, checkpoint: Any = None) -> bool:
         return any(isinstance(w, PackedTensor) for w in checkpoint.weights.values())
     if model is None:
         return True  # the bundled Q4_1 GGUF
-    from phaselab.spec.gguf import is_gguf_file
+    from phaselab.modelinfo.gguf import is_gguf_file
 
     path = os.path.abspath(os.path.expanduser(model))
     return os.path.isfile(path) and is_gguf_file(path)

@@ -24,7 +24,7 @@ from phaselab.model.kernels import qlinear
 from phaselab.model import linear as linear_mod
 from phaselab.model.linear import PackedEmbedding, PackedLinear
 from phaselab.model.attention import AttentionMetadata, paged_attention
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -8,7 +8,7 @@ gives fluent garbage instead of an error.
 
     path ──┬─ directory ─▶ config.json ─▶ ModelConfig ─┐
            │                safetensors (one or sharded) ├─▶ check names/shapes ─▶ read + cast per tensor
-           └─ *.gguf ─────▶ gguf_loader (spec.gguf metadata ─▶ ModelConfig, tensors ─▶ HF names, dequantized)
+           └─ *.gguf ─────▶ gguf_loader (modelinfo.gguf metadata ─▶ ModelConfig, tensors ─▶ HF names, dequantized)
 
 Tensors are cast one at a time as they are read, so a bf16 load of a big model never holds a
 second full fp32 copy.
@@ -26,10 +26,10 @@ import torch
 from phaselab.errors import ConfigError, ModelFormatError, ModelNotFoundError
 from phaselab.model.checkpoint import LoadedCheckpoint, check_tensor_shapes
 from phaselab.model.gguf_loader import load_gguf
-from phaselab.spec.bundled import default_model_path
-from phaselab.spec.config import ModelConfig
-from phaselab.spec.gguf import is_gguf_file
-from phaselab.spec.tokenizer import load_tokenizer
+from phaselab.modelinfo.bundled import default_model_path
+from phaselab.modelinfo.model_config import ModelConfig
+from phaselab.modelinfo.gguf import is_gguf_file
+from phaselab.modelinfo.tokenizer import load_tokenizer
 
 # Tensors some checkpoints carry that hold nothing the model needs (old Llama exports saved the
 # RoPE inverse frequencies, which are recomputed from the config).

@@ -12,10 +12,10 @@ into numbers, files and pictures.
     rundir.write_run_dir(path, ...) / read_run_dir(path) -> RunData
 """
 
-from phaselab.obs.cost import modeled_cost
+from phaselab.obs.modeled_cost import modeled_cost
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import RunData, read_run_dir, write_run_dir
-from phaselab.obs.trace import build_trace, validate_trace, write_trace
+from phaselab.obs.perfetto import build_trace, validate_trace, write_trace
 
 __all__ = [
     "EngineMetrics", "RunData", "build_trace", "modeled_cost", "read_run_dir", "validate_trace",

@@ -27,7 +27,7 @@ from typing import Any
 
 from phaselab.core.timing import IterationRecord, ModeledCost, RequestMetrics
 from phaselab.errors import PhaselabError
-from phaselab.obs.trace import build_trace, write_trace
+from phaselab.obs.perfetto import build_trace, write_trace
 
 RUN_FORMAT = "phaselab-run"
 RUN_VERSION = 1

@@ -56,7 +56,7 @@ def served_model_name(model: str | None) -> str:
     """The bundled model's short name, else the model file's stem or directory's name."""
     if model is None:
         return BUNDLED_MODEL_NAME
-    from phaselab.spec.bundled import default_model_path
+    from phaselab.modelinfo.bundled import default_model_path
 
     with contextlib.suppress(Exception):
         if os.path.samefile(model, default_model_path()):

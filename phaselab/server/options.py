@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from phaselab import envs
-from phaselab.config import parse_bytes
+from phaselab.engine_args import parse_bytes
 
 BUNDLED_MODEL_NAME = "smollm2-135m"
 

@@ -2,7 +2,7 @@
 
     workload.py    SimRequest; the bench's generators and seeds (random, shared-prefix, interference, trace)
     catalog.py     HardwareSpec (A100, H100, H200, this CPU), LinkSpec (NVLink 3/4, PCIe 4/5, IB HDR/NDR,
-                   25/100 GbE), MODELS as spec.config.ModelConfig (Llama family, OPT, any config.json); every
+                   25/100 GbE), MODELS as modelinfo.model_config.ModelConfig (Llama family, OPT, any config.json); every
                    figure with its source
     catalog_files.py  a device or link from a JSON file (documented schema, errors naming the field)
     efficiency.py  bounded efficiency curves: GEMM by tokens, attention by query rows and keys, K/V by context

@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 
 from phaselab.core.timing import IterationRecord
-from phaselab.obs.cost import CostFormulas, keys_attended
+from phaselab.obs.modeled_cost import CostFormulas, keys_attended
 from phaselab.obs.rundir import engine_config, read_run_dir
 from phaselab.sim.catalog import HardwareSpec, get_hardware
-from phaselab.sim.cost import CostParams, default_params
+from phaselab.sim.pricing import CostParams, default_params
 from phaselab.sim.host import host_mismatch, run_hardware
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 COLUMNS = ("o_iter", "o_req", "o_chunk", "a_lin", "c_lin", "m_mem", "a_att", "a_att_d", "m_kv", "o_wide")
 EFFICIENCY_COLUMNS = ("a_lin", "m_mem", "a_att", "a_att_d", "m_kv")  # 1 / an efficiency

@@ -3,7 +3,7 @@
     HardwareSpec  one accelerator (or this CPU): peak dense FLOP/s, memory bandwidth, memory size,
                   the link its tensor-parallel group uses, and the default cost parameters
     LinkSpec      one interconnect: bandwidth per direction, latency, whether it scales with GPUs
-    MODELS        models as phaselab.spec.config.ModelConfig, the engine's own type (Llama family,
+    MODELS        models as phaselab.modelinfo.model_config.ModelConfig, the engine's own type (Llama family,
                   OPT, any Hugging Face config.json): layers, widths, heads, KV heads, MLP shape, biases
 
 Every number carries where it came from in `sources` (field name -> "datasheet: ...",
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phaselab.errors import ConfigError, UnsupportedModelError
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 GiB = 2**30
 

@@ -96,7 +96,7 @@ def hardware_from_dict(d: dict[str, Any], path: str, base_dir: str = ".") -> Any
     get_link(tp_link)  # fail here, naming the hardware file, rather than at the first TP engine
     params = d.get("cost_params")
     if params is not None:
-        from phaselab.sim.cost import CostParams
+        from phaselab.sim.pricing import CostParams
 
         if not isinstance(params, dict):
             raise ConfigError(f"hardware file {path}: cost_params must be an object of CostParams fields")

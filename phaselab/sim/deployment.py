@@ -15,13 +15,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from phaselab.config import MODES, ROUTING_POLICIES
+from phaselab.engine_args import MODES, ROUTING_POLICIES
 from phaselab.core.config import CHUNKED_BUDGET_DEFAULT, CacheConfig, SchedulerConfig, knob, scheduler_options
 from phaselab.errors import ConfigError
-from phaselab.obs.cost import StoredWeights
+from phaselab.obs.modeled_cost import StoredWeights
 from phaselab.sim.catalog import LINKS, GiB, HardwareSpec, LinkSpec, get_link
-from phaselab.sim.cost import CostParams, default_params
-from phaselab.spec.config import ModelConfig
+from phaselab.sim.pricing import CostParams, default_params
+from phaselab.modelinfo.model_config import ModelConfig
 
 TRANSFER_MODES = ("after-prefill", "layer-by-layer")
 FIRST_TOKEN_FROM = ("prefill", "decode")
@@ -80,7 +80,7 @@ class Deployment:
     params: CostParams | None = None  # default: the hardware's defaults
     # the weights as a real engine keeps them (quantized blocks: fewer bytes per pass than parameters x
     # dtype_bytes); None: parameters x dtype_bytes. A replay or prediction of a CPU run takes it from
-    # the run's config.json (obs/cost.py StoredWeights.from_linear)
+    # the run's config.json (obs/modeled_cost.py StoredWeights.from_linear)
     stored_weights: StoredWeights | None = None
     delivery_s: float = 0.0  # token sampled -> sent
 

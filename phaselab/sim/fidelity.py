@@ -33,11 +33,11 @@ from phaselab.core.sampling_params import SamplingParams
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim import calibrate as cal
 from phaselab.sim.catalog import HardwareSpec
-from phaselab.sim.cost import CostParams
+from phaselab.sim.pricing import CostParams
 from phaselab.sim.host import run_hardware
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import replay_inputs
-from phaselab.sim.report import summarize
+from phaselab.sim.summary import summarize
 from phaselab.sim.workload import SimRequest
 from phaselab.workload.arrivals import ArrivalPlan
 from phaselab.workload.driver import Arrival, run_arrivals

@@ -29,7 +29,7 @@ from scipy.optimize import least_squares
 
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import HardwareSpec, LinkSpec
-from phaselab.sim.cost import CostParams
+from phaselab.sim.pricing import CostParams
 from phaselab.sim.efficiency import ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF
 from phaselab.sim.profiles import ELEMENTWISE_OPS, CollectiveSample, OpSample, read_collective_table, read_compute_table
 

@@ -44,7 +44,7 @@ from phaselab import envs
 from phaselab.errors import ConfigError, PhaselabError
 from phaselab.sim.catalog import HardwareSpec, get_hardware
 from phaselab.sim.catalog_files import hardware_from_dict
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 # the CPU flags that decide matmul speed: config.json's "machine" and the ceilings' "host" name them
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx_vnni", "amx_tile",

@@ -47,11 +47,11 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.slo import IterationCostCoefficients
+from phaselab.core.adaptive_budget import IterationCostCoefficients
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
-from phaselab.sim.cost import IterationCost, RooflineCostModel
+from phaselab.sim.pricing import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
 from phaselab.sim.transfer import Flow, Network

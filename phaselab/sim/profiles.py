@@ -24,8 +24,8 @@ from importlib import resources
 from pathlib import Path
 
 from phaselab.errors import ConfigError
-from phaselab.obs.cost import elementwise_elements_per_token
-from phaselab.spec.config import ModelConfig
+from phaselab.obs.modeled_cost import elementwise_elements_per_token
+from phaselab.modelinfo.model_config import ModelConfig
 
 DTYPE_BYTES = 2  # the profiles are fp16/bf16
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
@@ -63,7 +63,7 @@ def _shape_ops(row: dict[str, str]) -> dict[str, tuple[int, int] | int]:
     d = h // heads
     q, kv = heads * d // tp, max(1, kv_heads // tp) * d
     up = (2 if gated else 1) * i // tp
-    # the elementwise kernels' elements per token: phaselab.obs.cost's count for this row's shape
+    # the elementwise kernels' elements per token: phaselab.obs.modeled_cost's count for this row's shape
     shape = ModelConfig(architecture="llama", vocab_size=1, hidden_size=h, intermediate_size=i, num_hidden_layers=1,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
                         mlp_matrices=3 if gated else 2)

@@ -31,12 +31,12 @@ from typing import Any
 from phaselab.core.config import BUDGETS_TRIED
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import HardwareSpec
-from phaselab.sim.cost import CostParams
+from phaselab.sim.pricing import CostParams
 from phaselab.sim.deployment import TPS_TRIED, Deployment, RoleConfig
 from phaselab.sim.loop import simulate
-from phaselab.sim.report import percentile, slo_attainment
+from phaselab.sim.summary import percentile, slo_attainment
 from phaselab.sim.workload import SimRequest, random_requests
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 from phaselab.workload.arrivals import ArrivalPlan
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, workload_seeds
 from phaselab.workload.interference import InterferenceParams
 from phaselab.workload.lengths import LengthDist, WorkloadError
-from phaselab.workload.trace import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
+from phaselab.workload.trace_file import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
 
 PREFIX_TOKEN_BASE = 1 << 40  # first token of a shared-prefix group's prompts
 UNIQUE_TOKEN_BASE = 1 << 41  # first token of a request's own part

@@ -16,7 +16,7 @@ encoded without special tokens. Each prompt is checked with that exact count and
 corrected until it matches, so the server counts what was asked.
 
 The bench never imports torch: the tokenizer, a GGUF's vocabulary and the bundled model's location
-come from `phaselab.spec` (the torch-free model description).
+come from `phaselab.modelinfo` (the torch-free model description).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from phaselab.spec.bundled import default_model_path
-from phaselab.spec.tokenizer import Tokenizer, load_tokenizer
+from phaselab.modelinfo.bundled import default_model_path
+from phaselab.modelinfo.tokenizer import Tokenizer, load_tokenizer
 from phaselab.workload.interference import InterferenceParams
 from phaselab.workload.lengths import LengthDist, WorkloadError
 from phaselab.workload.request import RequestSpec
-from phaselab.workload.trace import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
+from phaselab.workload.trace_file import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
 
 
 # -- the tokenizer, torch-free -------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 from phaselab.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from phaselab.spec.gguf import is_gguf_file, open_gguf, read_metadata
+from phaselab.modelinfo.gguf import is_gguf_file, open_gguf, read_metadata
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -220,7 +220,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any]) -> Tokenizer:
-        """From a GGUF's metadata (key -> value, arrays as lists; see phaselab.spec.gguf.read_metadata).
+        """From a GGUF's metadata (key -> value, arrays as lists; see phaselab.modelinfo.gguf.read_metadata).
 
         Only byte-level BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are rebuilt. A
         SentencePiece vocabulary ("llama") is refused rather than approximated: its space and

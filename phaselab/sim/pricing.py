@@ -18,7 +18,7 @@ The roofline `max(compute / (peak x efficiency(shape)), bytes / (bandwidth x eff
 applied per operator class and the classes are summed: within each layer the projections and the
 attention run one after the other, and in a mixed (chunked) batch the projections can be
 compute-bound while the decodes' attention is bandwidth-bound. The counts (FLOPs, weight and KV
-bytes) are `phaselab.obs.cost`'s formulas (docs/metrics.md), the same ones the engine's records use.
+bytes) are `phaselab.obs.modeled_cost`'s formulas (docs/metrics.md), the same ones the engine's records use.
 
 Every parameter carries its source (`CostParams.sources`): the GPU defaults are fits of Vidur's
 operator profiles (phaselab/sim/fit.py; attention assumed, said so), this CPU's a calibration on a
@@ -34,12 +34,12 @@ from typing import Any
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import ModeledCost
 from phaselab.errors import ConfigError
-from phaselab.obs.cost import (CostFormulas, PlanCounts, StoredWeights, elementwise_bytes_per_token_layer, keys_attended,
+from phaselab.obs.modeled_cost import (CostFormulas, PlanCounts, StoredWeights, elementwise_bytes_per_token_layer, keys_attended,
                                plan_counts)
 from phaselab.sim.catalog import HardwareSpec, LinkSpec
 from phaselab.sim.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
                                      check_efficiency, gemm_efficiency, kv_read_efficiency)
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 NS = 1_000_000_000
 
@@ -264,7 +264,7 @@ class RooflineCostModel:
             self._ar_fixed = self._ar_per_token = 0.0
 
     def modeled_cost(self, c: PlanCounts) -> ModeledCost:
-        """The whole instance's modeled bytes and FLOPs (phaselab.obs.cost's formulas)."""
+        """The whole instance's modeled bytes and FLOPs (phaselab.obs.modeled_cost's formulas)."""
         return self.formulas.of_counts(c)
 
     def predict(self, plan: SchedulerOutput) -> IterationCost:

@@ -1,7 +1,7 @@
-"""The `diagnose` and `timeline` subcommands (docs/analysis.md); `compare` is phaselab/experiments/cli.py.
+"""The `diagnose` and `timeline` subcommands (docs/analysis.md); `compare` is phaselab/experiments/compare_cli.py.
 
 phaselab/cli.py adds them with `add_analysis_parsers(sub)` and dispatches with `run_analysis(ns)`;
-`python -m phaselab.analysis.cli COMMAND ...` runs the same without the rest of the CLI. Building
+`python -m phaselab.analysis.diagnose_cli COMMAND ...` runs the same without the rest of the CLI. Building
 the parsers imports nothing heavy (no torch, no matplotlib).
 """
 

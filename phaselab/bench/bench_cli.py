@@ -121,7 +121,7 @@ def _bench_config(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_bench(ns: argparse.Namespace) -> int:
-    from phaselab.bench import report
+    from phaselab.bench import bench_report as report
     from phaselab.bench.client import ClientConfig, first_model
     from phaselab.bench.metrics import parse_goodput
     from phaselab.bench.runner import RunSettings, plan_from, run_specs
@@ -224,7 +224,7 @@ def _trace_needs_tokenizer(path: str | None) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m phaselab.bench.cli ...`, until the lead wires `phaselab bench`."""
+    """`python -m phaselab.bench.bench_cli ...`, until the lead wires `phaselab bench`."""
     parser = argparse.ArgumentParser(prog="phaselab")
     sub = parser.add_subparsers(dest="command", required=True)
     add_bench_parser(sub)

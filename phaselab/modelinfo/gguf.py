@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from phaselab.errors import ModelFormatError, UnsupportedModelError
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 

@@ -1,6 +1,6 @@
 """The torch-free description of a model: what it is, not how it runs.
 
-    config.py    ModelConfig: the one model type of the engine, the simulator's catalog and the
+    model_config.py   ModelConfig: the one model type of the engine, the simulator's catalog and the
                  modeled-cost formulas (from HF config.json, GGUF metadata or a catalog entry)
     gguf.py      GGUF header, key/value metadata and the ModelConfig a file describes (no tensors)
     tokenizer.py Tokenizer: `tokenizers` backend from tokenizer.json or a GGUF vocabulary; jinja2 chat templates

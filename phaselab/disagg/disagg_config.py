@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 
-from phaselab.config import parse_bytes
+from phaselab.engine_args import parse_bytes
 from phaselab.errors import ConfigError
 
 

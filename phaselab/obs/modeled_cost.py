@@ -1,7 +1,7 @@
 """Modeled cost of one iteration: bytes it must move and FLOPs it must compute.
 
 The one home of these formulas: the engine's and router's records (`modeled_cost`) and the
-simulator's pricing (`phaselab.sim.cost`, through `CostFormulas`) both count with them.
+simulator's pricing (`phaselab.sim.pricing`, through `CostFormulas`) both count with them.
 
 MODELED, not measured: pure arithmetic over the model config and the plan, the "count first"
 floor of docs/design.md's "How performance is measured" (measured time / floor: how far from the hardware).
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import ModeledCost
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 
 def keys_attended(num_tokens: int, start_position: int) -> int:

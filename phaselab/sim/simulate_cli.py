@@ -25,7 +25,7 @@ from phaselab.core.config import BUDGETS_TRIED_TEXT
 from phaselab.errors import ConfigError
 from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, get_hardware, get_model, model_from_hf_config
 from phaselab.sim.deployment import TPS_TRIED_TEXT, Deployment, RoleConfig
-from phaselab.spec.config import ModelConfig
+from phaselab.modelinfo.model_config import ModelConfig
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "float32": 4}
 MODEL_FIELDS = ("gpu_memory_utilization", "max_model_len")  # Deployment fields among the model options
@@ -191,7 +191,7 @@ def resolve_model(name: str) -> ModelConfig:
 
 
 def build_deployment(ns: argparse.Namespace) -> Any:
-    from phaselab.sim.cost import CostParams
+    from phaselab.sim.pricing import CostParams
 
     params = CostParams.load(ns.params) if ns.params else None
     role = field_values(ns, RoleConfig, ROLE_FIELDS)
@@ -271,7 +271,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
 
 def _cmd_run(ns: argparse.Namespace) -> int:
     from phaselab.sim.loop import simulate
-    from phaselab.sim.report import format_summary, summarize
+    from phaselab.sim.summary import format_summary, summarize
 
     d = build_deployment(ns)
     reqs, arrivals, info = build_workload(ns)
@@ -354,7 +354,7 @@ def _cmd_fit(ns: argparse.Namespace) -> int:
 
 
 def _cmd_search(ns: argparse.Namespace) -> int:
-    from phaselab.sim.cost import CostParams
+    from phaselab.sim.pricing import CostParams
     from phaselab.sim.search import SLO, candidates, random_workload_at, search
 
     slo = SLO(ns.objective, ns.ttft_slo, ns.tpot_slo, ns.attainment, ns.tbt_slo, ns.max_queue)
@@ -393,7 +393,7 @@ def _cmd_search(ns: argparse.Namespace) -> int:
 
 def _cmd_catalog(ns: argparse.Namespace) -> int:
     from phaselab.sim.catalog import source_of
-    from phaselab.sim.cost import default_params
+    from phaselab.sim.pricing import default_params
 
     print("hardware:")
     for h in HARDWARE.values():
@@ -426,7 +426,7 @@ def _write_json(path: str, obj: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m phaselab.sim.cli ...` until cli.py wires `phaselab simulate`."""
+    """`python -m phaselab.sim.simulate_cli ...` until cli.py wires `phaselab simulate`."""
     parser = argparse.ArgumentParser(prog="phaselab")
     add_simulate_parser(parser.add_subparsers(dest="command", required=True))
     return run_simulate(parser.parse_args(argv))
