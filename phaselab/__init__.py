@@ -18,7 +18,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name in ("RequestOutput", "CompletionOutput"):
-        from phaselab.engine import outputs
+        from phaselab.engine import request_output as outputs
 
         return getattr(outputs, name)
     raise AttributeError(f"module 'phaselab' has no attribute {name!r}")

@@ -10,7 +10,7 @@ from typing import Any
 from phaselab.engine_args import EngineArgs
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.engine.engine import LLMEngine
-from phaselab.engine.outputs import RequestOutput
+from phaselab.engine.request_output import RequestOutput
 from phaselab.errors import InvalidRequestError
 
 Prompt = str | list[int]

@@ -21,7 +21,7 @@ from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, RequestMetrics
 
 if TYPE_CHECKING:
-    from phaselab.engine.outputs import RequestOutput
+    from phaselab.engine.request_output import RequestOutput
 
 
 @runtime_checkable

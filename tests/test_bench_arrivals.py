@@ -12,7 +12,7 @@ import pytest
 from phaselab.bench.sender import drive
 from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, gamma_intervals
 from phaselab.bench.client import RequestRecord, RequestSpec
-from phaselab.bench.runner import plan_from
+from phaselab.bench.bench_run import plan_from
 
 N = 20_000  # draws per check
 

@@ -25,7 +25,7 @@ from phaselab.bench.sender import drive
 from phaselab.workload.arrivals import ArrivalPlan
 from phaselab.bench.bench_cli import main as bench_main
 from phaselab.bench.client import ClientConfig, RequestRecord, RequestSpec, StreamingClient, new_record
-from phaselab.bench.metrics import RequestResult, derive, summarize
+from phaselab.bench.client_metrics import RequestResult, derive, summarize
 from tests._bench_fake_server import FakeOpenAIServer, Script, ServedRequest
 
 DELIVERY_S = 0.005  # server write -> client stamp, on 127.0.0.1

@@ -1,4 +1,4 @@
-"""Metric derivation on hand-made timestamp series: phaselab.bench.metrics / client.parse_stream."""
+"""Metric derivation on hand-made timestamp series: phaselab.bench.client_metrics / client.parse_stream."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from phaselab.bench.client import RequestRecord
-from phaselab.bench.metrics import derive, describe, interference_report, is_good, parse_goodput, summarize
+from phaselab.bench.client_metrics import derive, describe, interference_report, is_good, parse_goodput, summarize
 from phaselab.bench.bench_report import metrics_diff, summary_rows
 from phaselab.workload.lengths import LengthDist, WorkloadError
 

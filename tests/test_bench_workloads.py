@@ -125,7 +125,7 @@ def test_trace_errors(tmp_path, completions, line, match):
 def test_the_bench_never_imports_torch():
     code = (
         "import sys\n"
-        "import phaselab.bench.bench_cli, phaselab.bench.runner, phaselab.bench.bench_report\n"
+        "import phaselab.bench.bench_cli, phaselab.bench.bench_run, phaselab.bench.bench_report\n"
         "from phaselab.workload.prompts import PromptBuilder, load_bench_tokenizer\n"
         "PromptBuilder(load_bench_tokenizer(), 'chat')\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"

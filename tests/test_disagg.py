@@ -122,9 +122,9 @@ def test_in_process_workers_move_kv_and_record_backpressure(tmp_path):
 
     from phaselab.engine_args import EngineArgs
     from phaselab.disagg import DisaggConfig
-    from phaselab.disagg.protocol import (
+    from phaselab.disagg.messages import (
         AdmittedEvent,
-        RequestSpec,
+        WorkerRequest,
         TokenEvent,
         TransferEvent,
         TransferSpec,
@@ -141,7 +141,7 @@ def test_in_process_workers_move_kv_and_record_backpressure(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = {"r0": list(range(10, 70)), "r1": list(range(80, 140))}  # 60 (+1) tokens: 4 of the 6 blocks each
     for rid, ids in prompts.items():
-        prefill.add_request(RequestSpec(rid, ids, params, time.monotonic_ns()))
+        prefill.add_request(WorkerRequest(rid, ids, params, time.monotonic_ns()))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     records, admitted, transfers = {}, {}, {}
     deadline = time.monotonic() + 60
@@ -194,7 +194,7 @@ def test_in_process_workers_forget_every_request(tmp_path):
 
     from phaselab.engine_args import EngineArgs
     from phaselab.disagg import DisaggConfig
-    from phaselab.disagg.protocol import FailureEvent, RequestSpec, TokenEvent, TransferSpec
+    from phaselab.disagg.messages import FailureEvent, WorkerRequest, TokenEvent, TransferSpec
     from phaselab.disagg.worker import DisaggWorker, _Lease, _Progress, _Staged
     from tests._loader_helpers import random_weights, tiny_hf_config, write_hf_dir
 
@@ -219,7 +219,7 @@ def test_in_process_workers_forget_every_request(tmp_path):
 
     def run(rids: list[str]) -> None:
         for rid in rids:
-            prefill.add_request(RequestSpec(rid, prompts[rid], plans[rid][0], time.monotonic_ns()))
+            prefill.add_request(WorkerRequest(rid, prompts[rid], plans[rid][0], time.monotonic_ns()))
             if plans[rid][1] == "prefill":
                 prefill.abort([rid], 0)  # queued behind its add: aborted before it parks
                 done.add(rid)
@@ -287,7 +287,7 @@ def test_handshake_refuses_a_layout_mismatch_naming_each_field():
 def test_merged_prometheus_text_has_one_family_per_name():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from phaselab.disagg.metrics import merge_exposition
+    from phaselab.disagg.disagg_metrics import merge_exposition
     from phaselab.obs.prometheus import EngineMetrics
 
     texts = [EngineMetrics(labels={"worker": w, "role": "decode"}).render() for w in ("d0", "d1")]

@@ -108,7 +108,7 @@ def test_each_option_is_declared_once():
     found = [f"{rel}:{line}: {cls}.{name}" for rel, tree in _modules() if PACKAGE / rel != DECLARED_IN
              for line, cls, name in option_copies(tree) if (rel, f"{cls}.{name}") not in NOT_DEFAULTS]
     assert not found, ("options declared again with their own default and help; declare them with "
-                       f"core.config.knob(name):\n" + "\n".join(found))
+                       "core.config.knob(name):\n" + "\n".join(found))
 
 
 def test_option_flags_come_from_the_fields():

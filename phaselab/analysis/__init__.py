@@ -7,7 +7,7 @@
     timeline.py    PNG and interactive HTML timelines: worker lanes, request lanes, stalls marked
     predict.py     each suggestion's effect simulated on the run's own calibration (phaselab/sim)
     external.py    a `phaselab bench` client run against any server, plus its /metrics scrapes
-    cli.py         the `diagnose` and `timeline` subcommands
+    diagnose_cli.py the `diagnose` and `timeline` subcommands
 
 Everything here reads run directories (phaselab.obs.rundir) only, never builds an engine and never
 imports torch; what reruns engines (`diagnose --verify`, `compare` and its report) is in

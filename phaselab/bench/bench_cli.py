@@ -123,8 +123,8 @@ def _bench_config(ns: argparse.Namespace) -> dict[str, Any]:
 def run_bench(ns: argparse.Namespace) -> int:
     from phaselab.bench import bench_report as report
     from phaselab.bench.client import ClientConfig, first_model
-    from phaselab.bench.metrics import parse_goodput
-    from phaselab.bench.runner import RunSettings, plan_from, run_specs
+    from phaselab.bench.client_metrics import parse_goodput
+    from phaselab.bench.bench_run import RunSettings, plan_from, run_specs
     from phaselab.workload.arrivals import workload_seeds
     from phaselab.workload.lengths import LengthDist, WorkloadError
     from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer

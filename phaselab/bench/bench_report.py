@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from phaselab.bench.client import STATUS_FAILED, STATUS_INCOMPLETE, RequestRecord
-from phaselab.bench.metrics import RequestResult, percentile_key
+from phaselab.bench.client_metrics import RequestResult, percentile_key
 
 
 # -- progress ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from phaselab.workload.request import RequestSpec  # noqa: F401 - the spec a client sends
+from phaselab.workload.request_spec import RequestSpec  # noqa: F401 - the spec a client sends
 
 # Request outcomes. "incomplete": the request started but its stream never finished (cut off,
 # timed out, cancelled); "failed": the server refused it or reported an error.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from phaselab import envs
-from phaselab.disagg.protocol import WorkerInfo, WorkerStats
+from phaselab.disagg.messages import WorkerInfo, WorkerStats
 
 
 def worker_env(num_threads: int, name: str = "") -> dict[str, str]:

@@ -16,7 +16,7 @@ import dataclasses
 from typing import Any
 
 from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics
-from phaselab.disagg.protocol import TransferEvent
+from phaselab.disagg.messages import TransferEvent
 
 
 def merge_worker_tokens(m: RequestMetrics, worker: str, role: str, offset_ns: int, record: RequestMetrics | None,

@@ -1,6 +1,6 @@
 """The router of disaggregated serving: LLMEngine's surface over prefill and decode worker pools.
 
-    add_request ─▶ pick a prefill worker (core/routing) ─▶ RequestSpec
+    add_request ─▶ pick a prefill worker (core/routing) ─▶ WorkerRequest
     step():  poll every worker (one outstanding Ray call each) ─▶ events
              prefill TokenEvent: stream the first token now; parked? pick a decode worker ─▶ TransferSpec
              decode TransferEvent / AdmittedEvent / TokenEvent: transfer stamps, tokens, finish
@@ -45,12 +45,12 @@ from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.disagg.disagg_config import DisaggConfig
 from phaselab.disagg.connector import KVSource
-from phaselab.disagg.metrics import MergedEngineMetrics, RouterMetrics
+from phaselab.disagg.disagg_metrics import MergedEngineMetrics, RouterMetrics
 from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
-from phaselab.disagg.protocol import (
+from phaselab.disagg.messages import (
     AdmittedEvent,
     FailureEvent,
-    RequestSpec,
+    WorkerRequest,
     TokenEvent,
     TransferEvent,
     TransferSpec,
@@ -58,7 +58,7 @@ from phaselab.disagg.protocol import (
 )
 from phaselab.disagg.pool import describe_workers, ensure_ray, handshake_workers, start_workers
 from phaselab.disagg.process import WorkerHandle, boot_id, checkpoint_to_wire
-from phaselab.engine.outputs import CompletionOutput, RequestOutput
+from phaselab.engine.request_output import CompletionOutput, RequestOutput
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
@@ -408,7 +408,7 @@ class DisaggEngine:
         r.attempt = self._next_attempt()
         self._load(r, name, r.num_tokens)
         w = self.workers[name]
-        w.actor.add_request.remote(RequestSpec(
+        w.actor.add_request.remote(WorkerRequest(
             r.request_id, r.prompt_token_ids, r.params, r.metrics.arrived_ns + w.clock_offset_ns,
             list(r.output_token_ids), r.attempt))
 

@@ -54,12 +54,12 @@ from phaselab.disagg.connector import (
     make_transport,
     pack,
 )
-from phaselab.disagg.metrics import WorkerPrometheus
+from phaselab.disagg.disagg_metrics import WorkerPrometheus
 from phaselab.disagg.process import boot_id, checkpoint_from_wire, current_actor
-from phaselab.disagg.protocol import (
+from phaselab.disagg.messages import (
     AdmittedEvent,
     FailureEvent,
-    RequestSpec,
+    WorkerRequest,
     TokenEvent,
     TransferEvent,
     TransferSpec,
@@ -159,7 +159,7 @@ class DisaggWorker:
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local", pid=os.getpid(),
             run_config=self.engine.run_config(), model_config=self.engine.model_config)
 
-    def add_request(self, spec: RequestSpec) -> None:
+    def add_request(self, spec: WorkerRequest) -> None:
         assert self.role == "prefill"
         received_ns = time.monotonic_ns()  # queued here: the wait for the step boundary is queueing
         self._commands.put(lambda: self._add(spec, received_ns))
@@ -344,7 +344,7 @@ class DisaggWorker:
             self._events_cv.notify_all()
 
     # prefill side ------------------------------------------------------------------------------------------
-    def _add(self, spec: RequestSpec, received_ns: int) -> None:
+    def _add(self, spec: WorkerRequest, received_ns: int) -> None:
         rid = spec.request_id
         self._note_attempt(rid, spec.attempt)
         if rid in self._leases:  # a re-prefill of a request whose old lease is still open here

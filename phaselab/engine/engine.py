@@ -40,7 +40,7 @@ from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.engine.budget import start_learner
 from phaselab.engine.ceilings import cpu_identity, host_ceilings
 from phaselab.engine.detokenizer import IncrementalDetokenizer
-from phaselab.engine.outputs import CompletionOutput, RequestOutput
+from phaselab.engine.request_output import CompletionOutput, RequestOutput
 from phaselab.engine.resolve import resolve
 from phaselab.engine.runner import ModelRunner
 from phaselab.errors import InvalidRequestError

@@ -7,7 +7,7 @@ reads them). The layer above the engine, the simulator and the analysis (docs/ar
     compare_predict.py  compare's predicted vs measured: each chunked configuration simulated from the
                         prefill-first run
     compare_report.py   compare's report.html
-    cli.py              the `compare` subcommand's parser and dispatch
+    compare_cli.py      the `compare` subcommand's parser and dispatch
     diagnose_verify.py  `diagnose RUN --verify`: the recorded workload rerun as recorded and changed
     plan.py             `phaselab plan`: the simulator's SLO search (phaselab/sim/search.py), and --verify
     plan_verify.py      `plan --verify`: the top configurations run for real on this machine

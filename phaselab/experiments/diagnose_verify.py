@@ -153,7 +153,7 @@ def _run(config: dict[str, Any], overrides: dict[str, Any], arrivals: list[Any],
 
 def client_figures(results: list[Any]) -> dict[str, float | None]:
     """The user-facing figures (analysis/predict.py FIGURES) of a client's view of a run
-    (bench/metrics.py RequestResult, ok requests): TTFT and E2E from the POST, ITL between content
+    (bench/client_metrics.py RequestResult, ok requests): TTFT and E2E from the POST, ITL between content
     chunks, output tokens over first POST -> last stream end."""
     from phaselab.analysis.stats import percentile
 
@@ -177,9 +177,9 @@ async def _drive_http(url: str, arrivals: list[Any], what: str) -> list[Any]:
     import time
 
     from phaselab.bench.client import ClientConfig, StreamingClient, first_model, new_record
-    from phaselab.bench.metrics import derive
+    from phaselab.bench.client_metrics import derive
     from phaselab.workload.driver import ended_set
-    from phaselab.workload.request import RequestSpec
+    from phaselab.workload.request_spec import RequestSpec
 
     cfg = ClientConfig(base_url=url, model=await first_model(url), endpoint="completions", ignore_eos=True)
     ended = {a.request_id: asyncio.Event() for a in arrivals}

@@ -3,6 +3,6 @@
     app.py           routes, edge middleware (API key, body size), lifecycle, drain on SIGTERM
     serving.py       OpenAI request -> engine requests; engine deltas -> JSON / SSE; delivery stamps
     engine_thread.py the engine loop on its own thread, fed through thread-safe queues
-    protocol.py      pydantic request/response bodies
-    errors.py        OpenAI-shaped errors
+    openai_protocol.py pydantic request/response bodies
+    api_errors.py    OpenAI-shaped errors
 """

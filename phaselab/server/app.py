@@ -35,9 +35,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from phaselab.errors import InvalidRequestError
 from phaselab.server import serving
 from phaselab.server.engine_thread import DEAD, FAILED, LOADING, EngineThread, EngineUnavailable
-from phaselab.server.errors import APIError, error_bytes, invalid, unavailable
+from phaselab.server.api_errors import APIError, error_bytes, invalid, unavailable
 from phaselab.server.options import BUNDLED_MODEL_NAME, ServerConfig
-from phaselab.server.protocol import (
+from phaselab.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

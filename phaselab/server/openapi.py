@@ -1,4 +1,4 @@
-"""/openapi.json built from the pydantic models the server validates with (server/protocol.py).
+"""/openapi.json built from the pydantic models the server validates with (server/openai_protocol.py).
 
 The routes read their bodies themselves (to answer every problem in OpenAI's error shape), so
 FastAPI cannot see their request models; this module publishes them instead, with every status a
@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from phaselab.server import protocol as p
+from phaselab.server import openai_protocol as p
 
 _REF = "#/components/schemas/{model}"
 

@@ -37,9 +37,9 @@ from phaselab.core.prompt import first_out_of_vocab, prompt_too_long
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.errors import InvalidRequestError
 from phaselab.server.engine_thread import Delta, EngineThread, NewRequest
-from phaselab.server.errors import error_body, invalid
+from phaselab.server.api_errors import error_body, invalid
 from phaselab.server.token_strings import TokenIdStrings, TokenStrings  # noqa: F401 - used by app.py too
-from phaselab.server.protocol import (
+from phaselab.server.openai_protocol import (
     UNSUPPORTED,
     ChatChoice,
     ChatCompletionChunk,

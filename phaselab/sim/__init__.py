@@ -6,7 +6,7 @@
                    figure with its source
     catalog_files.py  a device or link from a JSON file (documented schema, errors naming the field)
     efficiency.py  bounded efficiency curves: GEMM by tokens, attention by query rows and keys, K/V by context
-    cost.py        RooflineCostModel.predict(plan) -> IterationCost: roofline per operator class + overheads
+    pricing.py     RooflineCostModel.predict(plan) -> IterationCost: roofline per operator class + overheads
                    + tensor-parallel all-reduce; CostParams (every efficiency in (0, 1]) with sources
     profiles.py    operator-level profile tables (Vidur's format); the packaged Vidur data in data/vidur/
     fit.py         `simulate fit`: a device's curves from profile tables; the shipped fits in data/fits/
@@ -18,9 +18,9 @@
     replay.py      a real run's measured iteration times in, the same plans out
     calibrate.py   fit CostParams to a real run's iteration log (non-negative least squares, capped at 1)
     search.py      best goodput (DistServe) or capacity (Sarathi-Serve) per GPU over deployments
-    report.py      summaries: TTFT, TPOT, TBT, queue, transfer share; SLO attainment
-    cli.py         `phaselab simulate run | replay | calibrate | fit | search | catalog`
+    summary.py     summaries: TTFT, TPOT, TBT, queue, transfer share; SLO attainment
+    simulate_cli.py `phaselab simulate run | replay | calibrate | fit | search | catalog`
 
-Imports `core`, `obs`, `spec` (the torch-free model description) and the bench's workload generators; never torch
+Imports `core`, `obs`, `modelinfo` (the torch-free model description) and the bench's workload generators; never torch
 or `phaselab.engine` (a test runs a simulation in a fresh interpreter and checks).
 """

@@ -33,7 +33,7 @@ from phaselab.modelinfo.bundled import default_model_path
 from phaselab.modelinfo.tokenizer import Tokenizer, load_tokenizer
 from phaselab.workload.interference import InterferenceParams
 from phaselab.workload.lengths import LengthDist, WorkloadError
-from phaselab.workload.request import RequestSpec
+from phaselab.workload.request_spec import RequestSpec
 from phaselab.workload.trace_file import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
 
 

@@ -1,6 +1,6 @@
 """Plain-data messages between the router and the workers (they pickle through Ray).
 
-    router ──RequestSpec──▶ prefill worker ──TokenEvent(kv=KVSource)──▶ router
+    router ──WorkerRequest──▶ prefill worker ──TokenEvent(kv=KVSource)──▶ router
     router ──TransferSpec─▶ decode worker  ──TransferEvent, AdmittedEvent, TokenEvent...──▶ router
     any worker ──FailureEvent──▶ router          router ◀── WorkerReport (poll): events, iterations, stats
 
@@ -20,7 +20,7 @@ from phaselab.disagg.connector import KVLayout, KVSource
 
 
 @dataclass
-class RequestSpec:
+class WorkerRequest:
     """Router -> prefill worker: compute prompt (+ outputs already streamed) and sample one token."""
 
     request_id: str
@@ -47,7 +47,7 @@ class TransferSpec:
 
 @dataclass
 class TokenEvent:
-    """New tokens of one request. From a prefill worker exactly one per RequestSpec: parked (kv
+    """New tokens of one request. From a prefill worker exactly one per WorkerRequest: parked (kv
     set) or finished. `text` is the request's whole output text so far."""
 
     request_id: str

@@ -18,8 +18,8 @@ from typing import Any
 
 from phaselab.bench.sender import drive
 from phaselab.bench.client import ClientConfig, RequestRecord, RequestSpec, StreamingClient, fetch_metrics_text
-from phaselab.bench.metrics import DEFAULT_PERCENTILES, interference_report, summarize
-from phaselab.bench.metrics import derive as derive_metrics
+from phaselab.bench.client_metrics import DEFAULT_PERCENTILES, interference_report, summarize
+from phaselab.bench.client_metrics import derive as derive_metrics
 from phaselab.bench.bench_report import Progress
 from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, workload_seeds
 

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from phaselab.disagg.protocol import WorkerStats
+from phaselab.disagg.messages import WorkerStats
 from phaselab.obs.prometheus import BYTES_BUCKETS, STEP_SECONDS_BUCKETS
 
 logger = logging.getLogger("phaselab.disagg")
