@@ -16,11 +16,8 @@ Construction is two steps: `resolve()` (engine/resolve.py: pure sizing) and the 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import os
-import platform
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +25,7 @@ from typing import Any
 import torch
 
 from phaselab.engine_args import EngineArgs
+from phaselab.engine.run_config import engine_run_config
 from phaselab.engine.runtime_settings import runtime_settings, tune_allocator
 from phaselab.core.executor import Executor
 from phaselab.core.outputs import EngineStats, RequestDelta, SchedulerOutput, StepResult, TokenLogprobs
@@ -38,14 +36,15 @@ from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.engine.budget import start_learner
-from phaselab.engine.ceilings import cpu_identity, host_ceilings
+from phaselab.engine.ceilings import host_ceilings
 from phaselab.engine.detokenizer import IncrementalDetokenizer
 from phaselab.engine.request_output import CompletionOutput, RequestOutput
 from phaselab.engine.resolve import resolve
 from phaselab.engine.runner import ModelRunner
 from phaselab.errors import InvalidRequestError
 from phaselab.model.checkpoint import LoadedCheckpoint
-from phaselab.model import linear_probe, prefetch_probe
+from phaselab.model import linear_probe
+from phaselab.model.kernels import prefetch_probe
 from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
@@ -459,41 +458,9 @@ class LLMEngine:
         self.ceilings = ceilings or host_ceilings(self.model_config, self.dtype, log=logger.info)
         return self.ceilings
 
-    def _attention_paths(self) -> dict[str, Any]:
-        """The attention kernels this engine runs (PHASELAB_DECODE_ATTN, PHASELAB_PREFILL_ATTN)."""
-        from phaselab.model import kernels
-
-        runner = self.executor
-        native = bool(getattr(runner, "native_decode", False))
-        prefill = getattr(runner, "prefill_mode", None)
-        return {"decode": kernels.decode_attn_description() if native else "torch (gather + SDPA)",
-                "prefill": "torch (SDPA)" if prefill is None else
-                next(k for k, v in kernels.PREFILL_MODES.items() if v == prefill)}
-
     def run_config(self) -> dict[str, Any]:
-        """config.json of a run directory: model, dtype, policy, budgets, versions, machine."""
-        import phaselab
-
-        return {
-            "model": {"path": self.checkpoint_path, "format": self.checkpoint_format,
-                      "config": dataclasses.asdict(self.model_config)},
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "linear": {**linear_probe.to_json(self.linear), **self.linear_summary},
-            "attention": self._attention_paths(),
-            "worker": self.worker,
-            "role": self.role,
-            "engine_args": dataclasses.asdict(self.args),
-            "scheduler": dataclasses.asdict(self.scheduler_config),
-            "slo": ({"tbt_s": self.scheduler_config.slo_tbt_ms / 1e3, "cost_model": self.budget_learner.to_json()}
-                    if self.budget_learner is not None else None),
-            "cache": {**dataclasses.asdict(self.cache_config),
-                      "kv_cache_bytes": getattr(self.executor, "kv_cache_bytes", None)},
-            "versions": {"phaselab": phaselab.__version__, "torch": torch.__version__,
-                         "python": platform.python_version()},
-            "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                        "cpu_count": os.cpu_count(), **cpu_identity(), **runtime_settings()},
-            **({"ceilings": self.ceilings} if self.ceilings else {}),
-        }
+        """config.json of a run directory (engine/run_config.py)."""
+        return engine_run_config(self)
 
     def write_record(self, path: str) -> None:
         """Write the run directory (docs/run-directory.md): every finished request, every iteration."""
