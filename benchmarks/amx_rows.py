@@ -51,7 +51,7 @@ def main() -> int:
 
     from phaselab.model import quant
     from phaselab.model.kernels import qlinear
-    from phaselab.model.linear_probe import random_weight
+    from phaselab.model.kernels.linear_timing import random_weight
 
     torch.set_num_threads(ns.threads)
     if not qlinear.available():

@@ -100,7 +100,7 @@ def measure(batch: int, context: int, rounds: int, compare: ctypes.CDLL | None) 
 
 
 def main() -> None:
-    from phaselab.model.linear_probe import cpu_info
+    from phaselab.model.kernels.linear_timing import cpu_info
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["1x768", "8x512", "32x512"], help="BATCHxCONTEXT")

@@ -107,7 +107,7 @@ class Calls:
 
 def main() -> None:
     from phaselab.engine.ceilings import read_bandwidth
-    from phaselab.model.linear_probe import cpu_info
+    from phaselab.model.kernels.linear_timing import cpu_info
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)

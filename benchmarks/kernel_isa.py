@@ -38,7 +38,7 @@ def child(formats: list[str], rows: list[int], reps: int) -> dict:
 
     from phaselab.model import kernels
     from phaselab.model.kernels import qlinear
-    from phaselab.model.linear_probe import random_weight
+    from phaselab.model.kernels.linear_timing import random_weight
 
     a = torch.empty(256 * 2**20 // 4).uniform_()
     bw = 0.0

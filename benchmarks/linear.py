@@ -47,7 +47,7 @@ from _machine import write_json  # noqa: E402
 from roofline import bandwidth  # noqa: E402
 
 from phaselab.model.kernels import qlinear  # noqa: E402
-from phaselab.model.linear_probe import cpu_info  # noqa: E402
+from phaselab.model.kernels.linear_timing import cpu_info  # noqa: E402
 from phaselab.model.quant import PackedTensor  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32)

@@ -144,7 +144,7 @@ def profile(eng: Any, batch: int, steps: int, weight_bytes: int) -> dict[str, An
 def main() -> None:
     from phaselab.engine_args import EngineArgs
     from phaselab.engine.engine import LLMEngine
-    from phaselab.model.linear_probe import cpu_info
+    from phaselab.model.kernels.linear_timing import cpu_info
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")

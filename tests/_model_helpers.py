@@ -132,7 +132,7 @@ def serving_dtype() -> str:
         if forced not in ("float32", "bfloat16"):
             raise ValueError(f"{envs.TEST_DTYPE.name}={forced!r}: use float32 or bfloat16")
         return forced
-    from phaselab.model.linear_probe import cpu_info
+    from phaselab.model.kernels.linear_timing import cpu_info
 
     isa = cpu_info()["isa"]
     return "bfloat16" if isa["avx512_bf16"] or isa["amx_tile"] else "float32"

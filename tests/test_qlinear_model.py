@@ -17,7 +17,7 @@ from phaselab.engine_args import EngineArgs
 from phaselab.engine.engine import LLMEngine
 from phaselab.model.kernels import qlinear
 from phaselab.model.linear import PackedLinear
-from phaselab.model.linear_probe import BATCHED_ROWS, CROSSOVER_ROWS
+from phaselab.model.kernels.linear_timing import BATCHED_ROWS, CROSSOVER_ROWS
 from phaselab.model.loader import load_checkpoint
 from tests._loader_helpers import random_weights, tiny_hf_config, write_gguf
 from tests._model_helpers import compare_greedy, make_prompts
@@ -132,7 +132,7 @@ def test_weights_option_and_record(tmp_path, monkeypatch):
     # probe's choice (the timings recorded beside it); where it starts, it is the faster at every
     # larger probed count, and one row below it was not
     from phaselab.model.kernels import qlinear
-    from phaselab.model.linear_probe import ROWS4_ROWS
+    from phaselab.model.kernels.linear_timing import ROWS4_ROWS
 
     probe = auto.run_config()["linear"]["probe"]
     chosen = auto.linear.rows4_min
@@ -329,7 +329,7 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     from phaselab.experiments.diagnose_verify import _recorded_linear_path
     from phaselab.errors import ConfigError
     from phaselab.model.linear_probe import NATIVE_ROWS_ENV, ROWS4_ENV, parse_rows4
-    from phaselab.model.prefetch_probe import PREFETCH_ENV
+    from phaselab.model.kernels.prefetch_probe import PREFETCH_ENV
 
     gguf_path = _tiny_gguf(tmp_path, tie=False)
     monkeypatch.setenv(NATIVE_ROWS_ENV, "5")
@@ -368,7 +368,7 @@ def test_prefetch_distance_is_measured_on_the_models_own_layers(monkeypatch):
     runs the faster (by more than 1%; else the kernel's default), recorded in config.json; a model
     without Q4_1X layers (float32 activations) measures nothing and keeps the default. The rule is
     checked on the engine's own timings, and again on given ones (a near-tie keeps the default)."""
-    from phaselab.model import prefetch_probe
+    from phaselab.model.kernels import prefetch_probe
 
     for dtype in ("bfloat16", "float32"):
         engine = LLMEngine(EngineArgs(dtype=dtype, kv_cache_memory="32MiB", max_model_len=200))

@@ -105,7 +105,7 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
     `--max-num-seqs 16`, predicted at -43% ITL p50, measured -57% against that other engine."""
     from phaselab.model.linear import ENV_VAR
     from phaselab.model.linear_probe import BATCHED_ENV, NATIVE_ROWS_ENV, ROWS4_ENV, rows4_text
-    from phaselab.model.prefetch_probe import PREFETCH_ENV
+    from phaselab.model.kernels.prefetch_probe import PREFETCH_ENV
 
     lin = config.get("linear") or {}
     if "weights" in overrides or "dtype" in overrides or not isinstance(lin, dict):

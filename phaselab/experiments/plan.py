@@ -154,7 +154,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         rows = verify(ranked, workload, slo, verifier, ns.verify_top, ns.verify_tolerance, ns.verify_dir,
                       ns.verify_runs)
         print(render(rows, ns.verify_tolerance))
-        from phaselab.model.linear_probe import cpu_info
+        from phaselab.model.kernels.linear_timing import cpu_info
 
         out["verify"] = {"tolerance": ns.verify_tolerance, "cpu": cpu_info()["model"],
                          "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "mem_bandwidth": hw.mem_bandwidth,

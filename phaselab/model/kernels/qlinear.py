@@ -148,7 +148,7 @@ ROWS4_OFF = 1 << 30  # a rows4_min no call reaches: one weight row at a time at 
 
 def set_rows4_min(fmt: str, rows: int) -> None:
     """From how many activation rows the kernel processes four weight rows of `fmt` together (the
-    start-up probe decides: linear_probe.rows4_decision; ROWS4_OFF: never; 0: the kernel's built-in default)."""
+    start-up probe decides: linear_timing.rows4_decision; ROWS4_OFF: never; 0: the kernel's built-in default)."""
     _lib_or_raise().qlinear_set_rows4_min(FORMAT_IDS[fmt], int(min(rows, ROWS4_OFF)))
 
 

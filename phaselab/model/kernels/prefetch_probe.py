@@ -18,7 +18,8 @@ from phaselab.errors import ConfigError
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
 from phaselab.model.linear import PackedLinear
-from phaselab.model.linear_probe import LinearDecision, best_in_turns
+from phaselab.model.kernels.linear_timing import best_in_turns
+from phaselab.model.linear_probe import LinearDecision
 
 PREFETCH_ENV = envs.PREFETCH_BYTES.name  # the name verify pins; the declaration is envs.PREFETCH_BYTES
 PREFETCH_CANDIDATES = (2048, 4096)  # bytes ahead; the first is the kernel's default
