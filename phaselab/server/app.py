@@ -37,6 +37,8 @@ from phaselab.server.engine_thread import DEAD, FAILED, LOADING, EngineThread, E
 from phaselab.server.api_errors import APIError, invalid, unavailable
 from phaselab.server.edge import Edge
 from phaselab.server.options import BUNDLED_MODEL_NAME, ServerConfig
+from phaselab.server.responses import Choice, GenerationResponse
+from phaselab.server.token_strings import TokenIdStrings, TokenStrings
 from phaselab.server.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,7 +78,7 @@ class ServerState:
         self.num_reserved = 0  # generation requests admitted at arrival, not yet handed to the engine
         self._idle = asyncio.Event()
         self._idle.set()
-        self.tokens: serving.TokenStrings | None = None
+        self.tokens: TokenStrings | None = None
         self.exit_code = 0
         self.started_s = time.time()
         self.is_shut_down = False
@@ -142,9 +144,9 @@ class ServerState:
             raise unavailable("the model is still loading", code="loading", retry_after_s=self.config.retry_after_s)
         return self.engine.engine
 
-    def token_strings(self) -> serving.TokenStrings:
+    def token_strings(self) -> TokenStrings:
         if self.tokens is None:
-            self.tokens = serving.TokenStrings(self.info.tokenizer)
+            self.tokens = TokenStrings(self.info.tokenizer)
         return self.tokens
 
 
@@ -319,7 +321,7 @@ async def _prepare(state: ServerState, request: Request, kind: str) -> Response:
     new = serving.fan_out(response_id, prompts, params, req.n)
     try:
         echoes = [await _echo(state, ids, text, num_logprobs) if echo else ("", [], None) for ids, text in prompts]
-        choices = [serving.Choice(index=r.index, request_id=r.request_id, prompt_index=r.index // req.n,
+        choices = [Choice(index=r.index, request_id=r.request_id, prompt_index=r.index // req.n,
                                   num_prompt_tokens=len(r.prompt_token_ids), num_logprobs=num_logprobs,
                                   echo_text=echoes[r.index // req.n][0], echo_token_ids=echoes[r.index // req.n][1],
                                   echo_logprobs=echoes[r.index // req.n][2]) for r in new]
@@ -332,10 +334,10 @@ async def _prepare(state: ServerState, request: Request, kind: str) -> Response:
     except EngineUnavailable as e:
         raise unavailable(str(e), code="engine_unavailable", retry_after_s=None) from None
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    return serving.GenerationResponse(
+    return GenerationResponse(
         kind=kind, engine=state.engine, response_id=response_id, model=state.config.model_name, choices=choices,
         queue=queue, request_ids=[r.request_id for r in new], stream=req.stream, include_usage=include_usage,
-        tokens=serving.TokenIdStrings(state.token_strings()) if req.return_tokens_as_token_ids
+        tokens=TokenIdStrings(state.token_strings()) if req.return_tokens_as_token_ids
         else state.token_strings(),
         on_done=state.leave)
 
