@@ -19,7 +19,8 @@ from phaselab.sim.catalog import get_hardware, get_model
 from phaselab.sim.pricing import IterationCost
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.core.scheduler import Scheduler
-from phaselab.sim.loop import simulate, warm_up_learner
+from phaselab.sim.loop import simulate
+from phaselab.sim.sim_worker import warm_up_learner
 from phaselab.sim.workload import interference_requests, random_requests
 
 H100 = get_hardware("h100")

@@ -13,7 +13,8 @@
     deployment.py  Deployment: colocated replicas or prefill/decode pools, per-role tp and scheduler options
     events.py      EventQueue: the virtual clock
     transfer.py    Network: KV flows on links, max-min fair sharing, latency, per-flow rate caps
-    loop.py        Simulator: per worker a core Scheduler + CostModelExecutor; core's routing policy;
+    sim_worker.py  SimWorker: one engine, a core Scheduler + CostModelExecutor (the cost model's times)
+    loop.py        Simulator: the workers on the virtual clock; core's routing policy;
                    RequestMetrics / IterationRecord exactly as the engine stamps them; SimResult.write(dir)
     replay.py      a real run's measured iteration times in, the same plans out
     calibrate.py   fit CostParams to a real run's iteration log (non-negative least squares, capped at 1)

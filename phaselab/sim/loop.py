@@ -31,15 +31,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import phaselab
-from phaselab.core.executor import Executor
 from phaselab.core.kv_cache_manager import cdiv
-from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
 from phaselab.core.outputs import SchedulerOutput, StepResult
 from phaselab.core.prompt import prompt_too_long
 from phaselab.core.recorder import PhaseRecorder
@@ -47,91 +44,21 @@ from phaselab.core.request import Request, RequestStatus
 from phaselab.core.routing import WorkerLoad, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.scheduler import Scheduler
-from phaselab.core.adaptive_budget import IterationCostCoefficients
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
 from phaselab.sim.pricing import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
+from phaselab.sim.sim_worker import NS, CostModel, CostModelExecutor, SimWorker
 from phaselab.sim.transfer import Flow, Network
-from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN, SimRequest
+from phaselab.sim.workload import EOS_TOKEN, SimRequest
 from phaselab.workload.arrivals import ArrivalPlan
 from phaselab.workload.driver import ended_set
 
-NS = 1_000_000_000
 # The virtual clock starts here, not at 0, so no timestamp is ever falsy.
 EPOCH_NS = NS
 EOS_IDS = frozenset({EOS_TOKEN})
-
-
-class CostModel(Protocol):
-    def predict(self, plan: SchedulerOutput) -> IterationCost: ...
-
-
-def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearner:
-    """The engine's warm-up (engine/budget.py) on the virtual clock: the same synthetic shapes,
-    timed by the cost model instead of the runner."""
-    sc, cc = scheduler.scheduler_config, scheduler.cache_config
-    # the engine's max_native_rows, where the cost model prices the batched GEMM's regime (CostParams)
-    wide_rows = int(getattr(getattr(cost_model, "params", None), "wide_rows", 0) or 0)
-    learner = BudgetLearner(OnlineCostFitter(IterationCostCoefficients(), wide_rows=wide_rows), "warm-up (simulated)")
-    blocks = list(range(cc.num_blocks))
-    for i, (chunks, decodes) in enumerate(warm_up_shapes(sc.max_num_batched_tokens, sc.max_num_seqs,
-                                                         sc.max_model_len, cc.num_blocks * cc.block_size)):
-        plan = shape_plan(-1 - i, chunks, decodes, blocks, cc.block_size)
-        learner.fitter.update(learner.features(plan), cost_model.predict(plan).duration_ns / NS)
-    learner.fitter.anchor()
-    scheduler.set_cost_coefficients(learner.coefficients)
-    return learner
-
-
-class CostModelExecutor(Executor):
-    """The executor of a simulated worker: a deterministic dummy token per sampled request (EOS
-    where the workload says the request stops) and the cost model's predicted duration, split
-    into prepare (fixed overheads) and forward (the rest)."""
-
-    def __init__(self, cost_model: CostModel, stop_at: dict[str, int]) -> None:
-        self.cost_model = cost_model
-        self.stop_at = stop_at  # request id -> output tokens after which it samples EOS
-        self.last_cost = IterationCost(0)
-
-    def execute(self, plan: SchedulerOutput) -> StepResult:
-        cost = self.last_cost = self.cost_model.predict(plan)
-        sampled = {}
-        stop_at = self.stop_at
-        for e in plan.scheduled:
-            if e.sample:
-                stop = stop_at.get(e.request_id)
-                stops = stop is not None and e.num_output_tokens + 1 >= stop
-                sampled[e.request_id] = EOS_TOKEN if stops else DUMMY_TOKEN
-        prepare = min(cost.duration_ns, round(cost.overhead_s * NS))
-        return StepResult(plan.iteration_id, sampled, prepare_ns=prepare, forward_ns=cost.duration_ns - prepare)
-
-
-class SimWorker:
-    """One engine of the deployment: a core Scheduler, an executor, and its place on the clock."""
-
-    def __init__(self, name: str, role: str, rc: RoleConfig, scheduler: Scheduler, executor: CostModelExecutor) -> None:
-        self.name, self.role, self.rc = name, role, rc
-        self.scheduler = scheduler
-        self.executor = executor
-        self.inbox: list[Request] = []  # arrived, added to the scheduler at the next iteration boundary
-        self.staged: deque[Request] = deque()  # decode side: KV arrived, waiting for admission
-        self.busy = False
-        self.kicked = False
-        self.busy_ns = 0
-        self.num_iterations = 0
-        self.open_flows: list[Flow] = []  # layer-by-layer flows capped by this iteration
-        # the adaptive budget's online cost model, learning from the cost model's times as the
-        # engine learns from its measured ones (None under a fixed budget)
-        self.learner: BudgetLearner | None = None
-        if scheduler.scheduler_config.adaptive:
-            self.learner = warm_up_learner(scheduler, executor.cost_model)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.inbox or self.staged or self.scheduler.has_schedulable_requests())
 
 
 @dataclass
