@@ -55,21 +55,14 @@ def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:
     w.add_argument("--ignore-eos", action="store_true",
                    help="ask the server to ignore EOS so every request generates exactly max_tokens")
     w.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    from phaselab.cliargs import add_fields
+    from phaselab.workload.interference import InterferenceParams
+    from phaselab.workload.params import SharedPrefixParams
+
     sp = p.add_argument_group("shared-prefix workload")
-    sp.add_argument("--num-prefix-groups", type=int, default=4, help="distinct shared prefixes (default: %(default)s)")
-    sp.add_argument("--prefix-len", type=int, default=512,
-                    help="tokens of the shared prefix, template included (default: %(default)s)")
-    sp.add_argument("--suffix-len", default="64", help="tokens after the prefix, a length spec (default: %(default)s)")
+    add_fields(sp, SharedPrefixParams, ("num_groups", "prefix_len", "suffix_len"))
     it = p.add_argument_group("interference workload")
-    it.add_argument("--num-streams", type=int, default=4, help="long-lived streams started at t=0 (default: %(default)s)")
-    it.add_argument("--stream-input-len", type=int, default=64, help="(default: %(default)s)")
-    it.add_argument("--stream-output-len", type=int, default=256,
-                    help="tokens each stream decodes; use --ignore-eos (default: %(default)s)")
-    it.add_argument("--num-long-prompts", type=int, default=3, help="(default: %(default)s)")
-    it.add_argument("--long-input-len", type=int, default=1024, help="(default: %(default)s)")
-    it.add_argument("--long-output-len", type=int, default=8, help="(default: %(default)s)")
-    it.add_argument("--long-start", type=float, default=2.0, help="seconds before the first long prompt (default: %(default)s)")
-    it.add_argument("--long-interval", type=float, default=2.0, help="seconds between long prompts (default: %(default)s)")
+    add_fields(it, InterferenceParams)
     tr = p.add_argument_group("trace workload")
     tr.add_argument("--trace", default=None, help="JSONL trace file (see docs/bench.md)")
     tr.add_argument("--time-scale", type=float, default=1.0,

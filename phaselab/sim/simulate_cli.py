@@ -149,23 +149,17 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    from phaselab.workload.interference import InterferenceParams
+    from phaselab.workload.params import SharedPrefixParams
+
     w = p.add_argument_group("workload (the same generators and seeds as the bench's: phaselab/workload)")
     w.add_argument("--workload", default="random", choices=["random", "shared-prefix", "interference", "trace"])
     w.add_argument("--num-prompts", type=int, default=1000)
     w.add_argument("--input-len", default="512",
                    help="length spec: N, uniform:LO:HI, normal:M:S, lognormal:M:S, choice:A,B")
     w.add_argument("--output-len", default="128")
-    w.add_argument("--num-prefix-groups", type=int, default=4)
-    w.add_argument("--prefix-len", type=int, default=512)
-    w.add_argument("--suffix-len", default="64")
-    w.add_argument("--num-streams", type=int, default=4)
-    w.add_argument("--stream-input-len", type=int, default=64)
-    w.add_argument("--stream-output-len", type=int, default=256)
-    w.add_argument("--num-long-prompts", type=int, default=3)
-    w.add_argument("--long-input-len", type=int, default=1024)
-    w.add_argument("--long-output-len", type=int, default=8)
-    w.add_argument("--long-start", type=float, default=2.0)
-    w.add_argument("--long-interval", type=float, default=2.0)
+    add_fields(w, SharedPrefixParams, ("num_groups", "prefix_len", "suffix_len"))
+    add_fields(w, InterferenceParams)
     w.add_argument("--trace", default=None, help="JSONL trace (arrival, input and output token counts)")
     w.add_argument("--time-scale", type=float, default=1.0)
     w.add_argument("--tokenizer", default=None,
@@ -222,12 +216,11 @@ def build_workload(ns: argparse.Namespace) -> tuple[list[Any], Any, dict[str, An
         reqs = random_requests(ns.num_prompts, ns.input_len, ns.output_len, ns.seed, arrivals)
         info |= {"input_len": ns.input_len, "output_len": ns.output_len}
     elif ns.workload == "shared-prefix":
-        reqs = shared_prefix_requests(ns.num_prompts, ns.num_prefix_groups, ns.prefix_len, ns.suffix_len,
+        reqs = shared_prefix_requests(ns.num_prompts, ns.num_groups, ns.prefix_len, ns.suffix_len,
                                       ns.output_len, ns.seed, arrivals)
-        info |= {"num_prefix_groups": ns.num_prefix_groups, "prefix_len": ns.prefix_len, "suffix_len": ns.suffix_len}
+        info |= {"num_prefix_groups": ns.num_groups, "prefix_len": ns.prefix_len, "suffix_len": ns.suffix_len}
     elif ns.workload == "interference":
-        params = InterferenceParams(ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts,
-                                    ns.long_input_len, ns.long_output_len, ns.long_start, ns.long_interval)
+        params = InterferenceParams(**field_values(ns, InterferenceParams))
         reqs = interference_requests(params)
         info |= {"params": params.to_json()}
     else:

@@ -26,6 +26,7 @@ import numpy as np
 from phaselab.workload.arrivals import ArrivalPlan, arrival_offsets, workload_seeds
 from phaselab.workload.interference import InterferenceParams
 from phaselab.workload.lengths import LengthDist, WorkloadError
+from phaselab.workload.params import SharedPrefixParams
 from phaselab.workload.trace_file import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
 
 PREFIX_TOKEN_BASE = 1 << 40  # first token of a shared-prefix group's prompts
@@ -86,8 +87,9 @@ def random_requests(num_prompts: int, input_len: str | int = "256", output_len: 
     return _apply_arrivals(reqs, arrivals, rng_a)
 
 
-def shared_prefix_requests(num_prompts: int, num_groups: int = 4, prefix_len: int = 512, suffix_len: str = "64",
-                           output_len: str = "64", seed: int = 0, arrivals: ArrivalPlan = ArrivalPlan()
+def shared_prefix_requests(num_prompts: int, num_groups: int = SharedPrefixParams.num_groups,
+                           prefix_len: int = SharedPrefixParams.prefix_len, suffix_len: str = SharedPrefixParams.suffix_len,
+                           output_len: str = SharedPrefixParams.output_len, seed: int = 0, arrivals: ArrivalPlan = ArrivalPlan()
                            ) -> list[SimRequest]:
     """Request i belongs to group i % num_groups; prompt = the group's prefix_len tokens + a suffix."""
     rng_w, rng_a = workload_seeds(seed)

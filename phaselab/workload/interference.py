@@ -16,22 +16,28 @@ speed (what `phaselab compare` uses on this CPU); seconds are what a client or a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
 @dataclass(frozen=True)
 class InterferenceParams:
-    num_streams: int = 4  # long-lived streams, all started at t=0
-    stream_input_len: int = 64  # tokens
-    stream_output_len: int = 256  # tokens each stream decodes
-    num_long_prompts: int = 3
-    long_input_len: int = 1024  # tokens
-    long_output_len: int = 8  # tokens
-    long_start_s: float | None = 2.0  # first long prompt, once the streams are decoding
-    long_interval_s: float | None = 2.0  # between long prompts
-    long_start_tokens: int | None = None  # token time: set both (and the seconds to None)
-    long_interval_tokens: int | None = None
+    # each field is also the flag of the bench's and the simulator's interference workload (cliargs.add_fields)
+    num_streams: int = field(default=4, metadata={"help": "long-lived streams, all started at t=0"})
+    stream_input_len: int = field(default=64, metadata={"help": "prompt tokens of a stream"})
+    stream_output_len: int = field(default=256, metadata={
+        "help": "tokens each stream decodes (against a server: with --ignore-eos)"})
+    num_long_prompts: int = field(default=3, metadata={"help": "long prompts sent among the streams"})
+    long_input_len: int = field(default=1024, metadata={"help": "prompt tokens of a long prompt"})
+    long_output_len: int = field(default=8, metadata={"help": "tokens a long prompt decodes"})
+    long_start_s: float | None = field(default=2.0, metadata={
+        "flag": "--long-start", "metavar": "SECONDS", "help": "seconds before the first long prompt, once the "
+                                                              "streams are decoding"})
+    long_interval_s: float | None = field(default=2.0, metadata={
+        "flag": "--long-interval", "metavar": "SECONDS", "help": "seconds between long prompts"})
+    # token time: set both (and the seconds to None); no flag (compare and the tests use it)
+    long_start_tokens: int | None = field(default=None, metadata={"cli": False})
+    long_interval_tokens: int | None = field(default=None, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         timed_s = self.long_start_s is not None and self.long_interval_s is not None

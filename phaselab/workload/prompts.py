@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import os
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +31,7 @@ import numpy as np
 from phaselab.modelinfo.bundled import default_model_path
 from phaselab.modelinfo.tokenizer import Tokenizer, load_tokenizer
 from phaselab.workload.interference import InterferenceParams
+from phaselab.workload.params import RandomParams, SharedPrefixParams
 from phaselab.workload.lengths import LengthDist, WorkloadError
 from phaselab.workload.request_spec import RequestSpec
 from phaselab.workload.trace_file import TRACE_INPUT_TOKENS, TRACE_OUTPUT_TOKENS, first_of, read_trace_rows
@@ -130,22 +130,6 @@ class PromptBuilder:
 
 
 # -- workloads ------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class RandomParams:
-    num_prompts: int = 100
-    input_len: str = "256"
-    output_len: str = "128"
-
-
-@dataclass(frozen=True)
-class SharedPrefixParams:
-    num_prompts: int = 100
-    num_groups: int = 4  # distinct prefixes
-    prefix_len: int = 512  # tokens shared by every request of a group (template included)
-    suffix_len: str = "64"  # tokens after the prefix, per request
-    output_len: str = "64"
-
-
 def random_workload(p: RandomParams, builder: PromptBuilder, rng: np.random.Generator,
                     id_prefix: str = "req") -> list[RequestSpec]:
     ins = LengthDist.parse(p.input_len).sample(rng, p.num_prompts)
@@ -253,14 +237,14 @@ def build_specs(ns: Any, builder: PromptBuilder | None,
         specs = random_workload(RandomParams(ns.num_prompts, ns.input_len, ns.output_len), builder, rng)
         warm = random_workload(RandomParams(n_warm, ns.input_len, ns.output_len), builder, rng, "warmup")
     elif ns.workload == "shared-prefix":
-        params = SharedPrefixParams(ns.num_prompts, ns.num_prefix_groups, ns.prefix_len, ns.suffix_len, ns.output_len)
+        params = SharedPrefixParams(ns.num_prompts, ns.num_groups, ns.prefix_len, ns.suffix_len, ns.output_len)
         specs = shared_prefix_workload(params, builder, rng)
         # warm-ups of the same length but their own text: they must not warm the groups' prefixes
         warm = random_workload(RandomParams(n_warm, str(ns.prefix_len), ns.output_len), builder, rng, "warmup")
     else:
         params = InterferenceParams(
             ns.num_streams, ns.stream_input_len, ns.stream_output_len, ns.num_long_prompts, ns.long_input_len,
-            ns.long_output_len, ns.long_start, ns.long_interval)
+            ns.long_output_len, ns.long_start_s, ns.long_interval_s)
         specs = interference_workload(params, builder, rng)
         warm = random_workload(RandomParams(n_warm, str(ns.stream_input_len), "8"), builder, rng, "warmup")
     for s in warm:
