@@ -35,7 +35,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,8 +46,9 @@ sys.path.insert(0, HERE)
 from _machine import write_json  # noqa: E402
 from roofline import bandwidth  # noqa: E402
 
+from phaselab import envs  # noqa: E402
 from phaselab.model.kernels import qlinear  # noqa: E402
-from phaselab.model.kernels.linear_timing import cpu_info  # noqa: E402
+from phaselab.model.kernels.linear_timing import cpu_info, time_call  # noqa: E402
 from phaselab.model.quant import PackedTensor  # noqa: E402
 
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -55,16 +56,6 @@ ROWS = (1, 2, 4, 8, 16, 32)
 
 def log(msg: str) -> None:
     print(f"[linear {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def best_time(fn: Callable[[], Any], reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def model_layers() -> tuple[list[PackedTensor], Any]:
@@ -137,7 +128,7 @@ def run_rows(layers: list[PackedTensor], reps: int) -> dict[str, Any]:
                 paths["native Q4_1X (+Q8_0 head)"] = (native_relaid, q_bytes)
             row: dict[str, Any] = {"load_avg_before": os.getloadavg()[0]}
             for name, (fn, nbytes) in paths.items():
-                t = best_time(fn, reps)
+                t = time_call(fn, reps)
                 row[name] = {"ms": round(t * 1e3, 3), "GBps": round(nbytes / t / 1e9, 2)}
             row["load_avg_after"] = os.getloadavg()[0]
             out.setdefault(an, {})[str(m)] = row
@@ -206,7 +197,7 @@ def batched_engine(cfg: str) -> Any:
     rest, _, option = rest.partition(":")  # ":q4x0": Q4_1 blocks kept in the file's layout
     path, _, batched = rest.partition("+")
     env = {"PHASELAB_LINEAR": path if path != "auto" else None, "PHASELAB_BATCHED": batched or None,
-           qlinear.REPACK_ENV: "0" if option == "q4x0" else None, "PHASELAB_ROWS4_MIN": "4" if option == "rows4at4" else None}
+           envs.Q4_REPACK.name: "0" if option == "q4x0" else None, envs.ROWS4_MIN.name: "4" if option == "rows4at4" else None}
     saved = {k: os.environ.pop(k, None) for k in env}
     os.environ.update({k: v for k, v in env.items() if v})
     try:

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from phaselab import envs
 from phaselab.model import kernels
 from phaselab.model.attention import AttentionMetadata, PrefillSeq, paged_attention
 
@@ -145,7 +146,7 @@ def test_bad_input_gets_a_clear_error() -> None:
 
 @pytest.mark.parametrize(("value", "expect"), [("torch", None), ("c", 2), ("auto", "auto")])
 def test_environment_picks_the_path(monkeypatch, value, expect) -> None:
-    monkeypatch.setenv(kernels.PREFILL_ENV, value)
+    monkeypatch.setenv(envs.PREFILL_ATTN.name, value)
     got = kernels.prefill_mode()
     if expect == "auto":
         assert got == (0 if FEATS["avx512"] else None)
@@ -154,18 +155,18 @@ def test_environment_picks_the_path(monkeypatch, value, expect) -> None:
 
 
 def test_environment_refuses_unknown_and_missing_paths(monkeypatch) -> None:
-    monkeypatch.setenv(kernels.PREFILL_ENV, "fast")
+    monkeypatch.setenv(envs.PREFILL_ATTN.name, "fast")
     with pytest.raises(ValueError, match="use one of auto, amx, dpbf16, avx512, c, torch"):
         kernels.prefill_mode()
-    monkeypatch.setenv(kernels.PREFILL_ENV, "auto")  # a head size the kernel does not take: torch's path
+    monkeypatch.setenv(envs.PREFILL_ATTN.name, "auto")  # a head size the kernel does not take: torch's path
     assert kernels.prefill_mode(head_dim=16) is None
-    monkeypatch.setenv(kernels.PREFILL_ENV, "c")  # unless forced: then it says so
+    monkeypatch.setenv(envs.PREFILL_ATTN.name, "c")  # unless forced: then it says so
     with pytest.raises(ValueError, match="not 16"):
         kernels.prefill_mode(head_dim=16)
     missing = [name for name, key in (("amx", "amx"), ("dpbf16", "avx512_bf16_dot"), ("avx512", "avx512"))
                if not FEATS[key]]
     for name in missing:  # only on a CPU without the instructions: forcing them is an error, not a fallback
-        monkeypatch.setenv(kernels.PREFILL_ENV, name)
+        monkeypatch.setenv(envs.PREFILL_ATTN.name, name)
         with pytest.raises(ValueError, match="lacks it"):
             kernels.prefill_mode()
 

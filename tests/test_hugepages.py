@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phaselab import envs
 from phaselab.model import hugepages
 from phaselab.model.linear import PackedEmbedding, PackedLinear
 
@@ -55,7 +56,7 @@ def test_memory_is_resident_when_allocated():
 
 
 def test_turned_off_gives_torch_memory(monkeypatch):
-    monkeypatch.setenv(hugepages.ENV, "0")
+    monkeypatch.setenv(envs.HUGEPAGES.name, "0")
     assert not hugepages.enabled()
     before = hugepages.huge_bytes()
     t = hugepages.empty_bytes(8 << 20)

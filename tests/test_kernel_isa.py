@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from phaselab import envs
 from phaselab.model import kernels
 from phaselab.model.kernels import build, qlinear
 
@@ -45,7 +46,7 @@ def test_built_for_the_requested_isa():
 
 
 def test_unknown_isa_is_refused(monkeypatch):
-    monkeypatch.setenv(kernels.ISA_ENV, "sse9")
+    monkeypatch.setenv(envs.KERNEL_ISA.name, "sse9")
     with pytest.raises(ValueError, match="PHASELAB_KERNEL_ISA"):
         kernels.kernel_isa()
 
@@ -55,10 +56,10 @@ def test_unknown_isa_is_refused(monkeypatch):
 def test_kernel_reference_tests_pass_on_each_isa(isa, needs):
     if not _cpu_has(*needs):
         pytest.skip(f"this CPU lacks {', '.join(needs)}: the {isa} path cannot run here")
-    env = {**os.environ, kernels.ISA_ENV: isa}
+    env = {**os.environ, envs.KERNEL_ISA.name: isa}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider",
                            *KERNEL_TESTS, "tests/test_kernel_isa.py::test_built_for_the_requested_isa"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, f"{kernels.ISA_ENV}={isa}: the kernel tests failed:\n{tail}"
+    assert proc.returncode == 0, f"{envs.KERNEL_ISA.name}={isa}: the kernel tests failed:\n{tail}"
     assert " passed" in tail and "error" not in tail.lower().split("passed")[-1], tail

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from phaselab import envs
 from phaselab import SamplingParams
 from phaselab.model import kernels, llama
 
@@ -117,7 +118,7 @@ def test_decode_attention_is_the_same_bits_alone_batched_and_on_one_thread(decod
 
 
 def test_decode_path_errors_say_what_to_use(monkeypatch):
-    monkeypatch.setenv(kernels.DECODE_ENV, "bogus")
+    monkeypatch.setenv(envs.DECODE_ATTN.name, "bogus")
     with pytest.raises(ValueError, match="PHASELAB_DECODE_ATTN='bogus': use one of auto, dpbf16, c"):
         kernels.decode_attn_mode()
     # a build without AVX512-BF16 (the avx2 and portable ISA builds, AMD Zen 3) refuses dpbf16

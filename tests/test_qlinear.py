@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from phaselab import envs
 from phaselab.model.kernels import qlinear
 from phaselab.model.linear import PackedEmbedding, PackedLinear, Workspace
 from phaselab.model.quant import PackedTensor, dequantize_blocks, quantize_q8_0
@@ -313,7 +314,7 @@ def test_layer_re_lays_q4_1_for_bf16(batched, monkeypatch):
     packed, ref = _gguf_packed("Q4_1", n, k, seed=11)
     bias = torch.randn(n)
     for env, want in (("1", "Q4_1X"), ("0", "Q4_1")):
-        monkeypatch.setenv(qlinear.REPACK_ENV, env)
+        monkeypatch.setenv(envs.Q4_REPACK.name, env)
         layer = PackedLinear(packed, bias, torch.bfloat16, max_native_rows=8, workspace=Workspace(torch.bfloat16),
                              batched=batched)
         assert layer.packed.fmt == want and layer.packed.nbytes == packed.nbytes
@@ -408,7 +409,7 @@ def test_layer_re_lays_blocks_in_the_avx2_build(lanes, stored, batched, act, mon
     packed, ref = _gguf_packed(stored, n, k, seed=13)
     bias = torch.randn(n)
     for env, want in (("1", lanes), ("0", stored)):
-        monkeypatch.setenv(qlinear.REPACK_ENV, env)
+        monkeypatch.setenv(envs.Q4_REPACK.name, env)
         layer = PackedLinear(packed, bias, act, max_native_rows=8, workspace=Workspace(act), batched=batched)
         assert layer.packed.fmt == want and layer.packed.nbytes == packed.nbytes
         for tile_elements in (linear.TILE_ELEMENTS, 7 * k):

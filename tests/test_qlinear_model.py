@@ -328,19 +328,19 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     layer, and the kernel's own per-format setting."""
     from phaselab.experiments.diagnose_verify import _recorded_linear_path
     from phaselab.errors import ConfigError
-    from phaselab.model.linear_probe import NATIVE_ROWS_ENV, ROWS4_ENV, parse_rows4
-    from phaselab.model.kernels.prefetch_probe import PREFETCH_ENV
+    from phaselab import envs
+    from phaselab.model.linear_probe import parse_rows4
 
     gguf_path = _tiny_gguf(tmp_path, tie=False)
-    monkeypatch.setenv(NATIVE_ROWS_ENV, "5")
-    monkeypatch.setenv(ROWS4_ENV, "Q4_0=8,Q8_0=off")
-    monkeypatch.setenv(PREFETCH_ENV, "3072")  # no candidate of the start-up choice
+    monkeypatch.setenv(envs.NATIVE_ROWS.name, "5")
+    monkeypatch.setenv(envs.ROWS4_MIN.name, "Q4_0=8,Q8_0=off")
+    monkeypatch.setenv(envs.PREFETCH_BYTES.name, "3072")  # no candidate of the start-up choice
     run = _engine(gguf_path, dtype="float32", weights="quantized")
     config = run.run_config()
     assert config["linear"]["max_native_rows"] == 5 and "PHASELAB_NATIVE_ROWS" in config["linear"]["reason"]
     assert config["linear"]["rows4_min"] == {"Q4_0": 8, "Q8_0": qlinear.ROWS4_OFF}
     assert config["linear"]["prefetch_bytes"] == 3072 and qlinear.prefetch() == 3072
-    for var in (NATIVE_ROWS_ENV, ROWS4_ENV, PREFETCH_ENV):
+    for var in (envs.NATIVE_ROWS.name, envs.ROWS4_MIN.name, envs.PREFETCH_BYTES.name):
         monkeypatch.delenv(var)
     qlinear.set_prefetch(0)  # as another engine in between would leave it
     with _recorded_linear_path(config, {}):
@@ -349,12 +349,14 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     assert layers and {m.max_native_rows for m in layers} == {5}
     assert rerun.linear.path == "q" and qlinear.rows4_min("Q4_0") == 8 and qlinear.rows4_min("Q8_0") == qlinear.ROWS4_OFF
     assert rerun.linear.prefetch_bytes == 3072 and qlinear.prefetch() == 3072
-    assert NATIVE_ROWS_ENV not in os.environ and PREFETCH_ENV not in os.environ  # the pins end with the rerun's engine
+    # the pins end with the rerun's engine
+    assert envs.NATIVE_ROWS.name not in os.environ and envs.PREFETCH_BYTES.name not in os.environ
     # a change of weights or dtype measures again: nothing pinned
     with _recorded_linear_path(config, {"dtype": "bfloat16"}):
-        assert NATIVE_ROWS_ENV not in os.environ
-    for bad, var in (("-1", NATIVE_ROWS_ENV), ("many", NATIVE_ROWS_ENV), ("Q9_9=4", ROWS4_ENV), ("Q4_0=0", ROWS4_ENV),
-                     ("near", PREFETCH_ENV), ("8", PREFETCH_ENV)):
+        assert envs.NATIVE_ROWS.name not in os.environ
+    for bad, env in (("-1", envs.NATIVE_ROWS), ("many", envs.NATIVE_ROWS), ("Q9_9=4", envs.ROWS4_MIN),
+                     ("Q4_0=0", envs.ROWS4_MIN), ("near", envs.PREFETCH_BYTES), ("8", envs.PREFETCH_BYTES)):
+        var = env.name
         monkeypatch.setenv(var, bad)
         with pytest.raises(ConfigError, match=var):
             _engine(gguf_path, dtype="float32", weights="quantized")

@@ -1,7 +1,7 @@
 """Scheduler and cache configuration: frozen, grouped by concern, no I/O.
 
 Each scheduler and cache option is declared here once, with its default, choices and help text.
-The engine's options (config.EngineArgs) and the simulator's (sim/deployment.py's RoleConfig and
+The engine's options (engine_args.EngineArgs) and the simulator's (sim/deployment.py's RoleConfig and
 Deployment) declare their copy with `knob(name)`, which returns this declaration, so an option has
 one default and one help text wherever it is set (tests/test_knobs.py holds it).
 """
@@ -115,10 +115,9 @@ class SchedulerConfig:
         return self.slo_tbt_ms > 0
 
 
-# the options a front passes on to SchedulerConfig.resolve (max_model_len is resolved apart: from the
-# model's context and the cache's capacity)
-SCHEDULER_OPTIONS = ("policy", "max_num_batched_tokens", "max_num_seqs", "long_prefill_token_threshold",
-                     "max_num_partial_prefills", "slo_tbt_ms", "slo_ttft_ms", "slo_margin", "slo_min_chunk")
+# the options a front passes on to SchedulerConfig.resolve: every field but max_model_len, which is
+# resolved apart (from the model's context and the cache's capacity)
+SCHEDULER_OPTIONS = tuple(f.name for f in dataclasses.fields(SchedulerConfig) if f.name != "max_model_len")
 
 
 def knob(name: str, *, unset: bool = False) -> Any:
@@ -142,4 +141,3 @@ def scheduler_options(obj: Any) -> dict[str, Any]:
     """{option: value} of SCHEDULER_OPTIONS read off anything declaring them with knob (EngineArgs,
     RoleConfig): what SchedulerConfig.resolve takes besides max_model_len."""
     return {name: getattr(obj, name) for name in SCHEDULER_OPTIONS}
-

@@ -103,18 +103,17 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
     default row count, 16, where the run's probe had measured 64, so the rerun's batch-32 decode
     steps ran the GEMM on a weight widened per call (138 ms a step against the run's 100), and
     `--max-num-seqs 16`, predicted at -43% ITL p50, measured -57% against that other engine."""
-    from phaselab.model.linear import ENV_VAR
-    from phaselab.model.linear_probe import BATCHED_ENV, NATIVE_ROWS_ENV, ROWS4_ENV, rows4_text
-    from phaselab.model.kernels.prefetch_probe import PREFETCH_ENV
+    from phaselab import envs
+    from phaselab.model.linear_probe import rows4_text
 
     lin = config.get("linear") or {}
     if "weights" in overrides or "dtype" in overrides or not isinstance(lin, dict):
         lin = {}
     rows = lin.get("max_native_rows")
-    pinned = {ENV_VAR: lin.get("path"), BATCHED_ENV: lin.get("batched"),
-              NATIVE_ROWS_ENV: None if rows is None or lin.get("path") == "torch" else str(rows),
-              ROWS4_ENV: rows4_text(lin["rows4_min"]) if lin.get("rows4_min") else None,
-              PREFETCH_ENV: str(lin["prefetch_bytes"]) if lin.get("prefetch_bytes") else None}
+    pinned = {envs.LINEAR.name: lin.get("path"), envs.BATCHED.name: lin.get("batched"),
+              envs.NATIVE_ROWS.name: None if rows is None or lin.get("path") == "torch" else str(rows),
+              envs.ROWS4_MIN.name: rows4_text(lin["rows4_min"]) if lin.get("rows4_min") else None,
+              envs.PREFETCH_BYTES.name: str(lin["prefetch_bytes"]) if lin.get("prefetch_bytes") else None}
     saved = {k: os.environ.get(k) for k in pinned}
     try:
         for k, v in pinned.items():

@@ -23,7 +23,6 @@ import torch
 
 from phaselab import envs
 
-ENV = envs.HUGEPAGES.name  # the name callers set; the declaration is envs.HUGEPAGES
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 HUGE = 2 << 20  # the x86-64 transparent huge page
 PAGE = 4096  # the small page `populate` touches one byte of

@@ -44,7 +44,6 @@ from phaselab.model.quant import DENSE, PackedTensor, cat_rows, to_dense_format
 
 PATHS = ("q", "bf16", "fp32", "torch")
 BATCHED = ("tile", "resident")
-ENV_VAR = envs.LINEAR.name  # the name callers set; the declaration is envs.LINEAR
 TILE_ELEMENTS = 4 * 2**20  # the GEMM path widens at most this many weights at a time
 DEFAULT_MAX_NATIVE_ROWS = 16
 

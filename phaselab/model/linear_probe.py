@@ -51,19 +51,16 @@ from phaselab import envs
 from phaselab.errors import ConfigError
 from phaselab.model.kernels import qlinear
 from phaselab.model.kernels.linear_timing import BATCHED_ROWS, CROSSOVER_ROWS, PROBE_SHAPE, cpu_info, gemm_rates, measure
-from phaselab.model.linear import BATCHED, DEFAULT_MAX_NATIVE_ROWS, ENV_VAR, PATHS
+from phaselab.model.linear import BATCHED, DEFAULT_MAX_NATIVE_ROWS, PATHS
 
 log = logging.getLogger(__name__)
 
 WEIGHT_OPTIONS = ("auto", "quantized", "dequantized")
-BATCHED_ENV = envs.BATCHED.name  # the names verify pins; the declarations are in envs
 TIE = 1.25  # a path within this factor of the fastest counts as tied; the smallest storage wins
 DTYPE_TIE = 1.10
 # N: four weight rows at a time from N activation rows, every format; "off": never; or per format,
 # "Q4_0=32,Q8_0=off" (the others keep the kernel's default), as config.json's linear.rows4_min records it
-ROWS4_ENV = envs.ROWS4_MIN.name
 # N: the native kernel runs up to N activation rows, the GEMM above (0: the GEMM from one row)
-NATIVE_ROWS_ENV = envs.NATIVE_ROWS.name
 
 
 @dataclass
@@ -141,7 +138,7 @@ def _dense_path(act_dtype: torch.dtype) -> str:
 def _forced_batched() -> str | None:
     forced = envs.BATCHED.get()
     if forced and forced not in BATCHED:
-        raise ConfigError(f"{BATCHED_ENV}={forced!r} is not a choice; use one of {', '.join(BATCHED)} or unset it")
+        raise ConfigError(f"{envs.BATCHED.name}={forced!r} is not a choice; use one of {', '.join(BATCHED)} or unset it")
     return forced or None
 
 
@@ -154,18 +151,18 @@ def _forced_native_rows() -> int | None:
         if rows < 0:
             raise ValueError
     except ValueError:
-        raise ConfigError(f"{NATIVE_ROWS_ENV}={forced!r} is not a row count; give an integer >= 0 or unset it") from None
+        raise ConfigError(f"{envs.NATIVE_ROWS.name}={forced!r} is not a row count; give an integer >= 0 or unset it") from None
     return rows
 
 
 def decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecision:
     """The path for a model (see module docstring); `is_gguf`: the checkpoint has GGUF blocks.
-    NATIVE_ROWS_ENV overrides max_native_rows on whichever native path is chosen."""
+    envs.NATIVE_ROWS overrides max_native_rows on whichever native path is chosen."""
     decision = _decide(weights, act_dtype, is_gguf)
     rows = _forced_native_rows()
     if rows is not None and decision.path != "torch":
         decision.max_native_rows = rows
-        decision.reason += f"; native rows forced by {NATIVE_ROWS_ENV}"
+        decision.reason += f"; native rows forced by {envs.NATIVE_ROWS.name}"
     return decision
 
 
@@ -177,11 +174,11 @@ def _decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecisi
     forced_batched = _forced_batched()
     if forced:
         if forced not in PATHS:
-            raise ConfigError(f"{ENV_VAR}={forced!r} is not a linear path; use one of {', '.join(PATHS)} or unset it")
+            raise ConfigError(f"{envs.LINEAR.name}={forced!r} is not a linear path; use one of {', '.join(PATHS)} or unset it")
         if forced != "torch" and not qlinear.available():
-            raise ConfigError(f"{ENV_VAR}={forced} needs the native kernel, which is unavailable "
-                              f"({qlinear.unavailable_reason()}); unset it or set {ENV_VAR}=torch")
-        return _with_rows4(LinearDecision(forced, f"forced by {ENV_VAR}", batched=forced_batched or "tile", cpu=cpu),
+            raise ConfigError(f"{envs.LINEAR.name}={forced} needs the native kernel, which is unavailable "
+                              f"({qlinear.unavailable_reason()}); unset it or set {envs.LINEAR.name}=torch")
+        return _with_rows4(LinearDecision(forced, f"forced by {envs.LINEAR.name}", batched=forced_batched or "tile", cpu=cpu),
                            {})
     if weights == "dequantized":
         return LinearDecision("torch", "--weights dequantized", cpu=cpu)
@@ -210,8 +207,8 @@ def _decide(weights: str, act_dtype: torch.dtype, is_gguf: bool) -> LinearDecisi
 
 def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecision:
     """Set, for every format, the row count from which the kernel reads four weight rows per pass:
-    forced by ROWS4_ENV, else the probe's `rows4_min` (rows4_decision), else the kernel's default
-    (a path forced by ENV_VAR runs no probe)."""
+    forced by envs.ROWS4_MIN, else the probe's `rows4_min` (rows4_decision), else the kernel's default
+    (a path forced by envs.LINEAR runs no probe)."""
     forced = envs.ROWS4_MIN.get()
     if forced:
         decision.rows4_min = parse_rows4(forced)
@@ -225,7 +222,7 @@ def _with_rows4(decision: LinearDecision, probe: dict[str, Any]) -> LinearDecisi
 
 
 def parse_rows4(text: str) -> dict[str, int]:
-    """ROWS4_ENV's value as {format: rows4_min}: "N" or "off" for every format, or per format
+    """envs.ROWS4_MIN's value as {format: rows4_min}: "N" or "off" for every format, or per format
     "FMT=N|off,..." (rows4_text writes it)."""
     def rows(value: str) -> int:
         try:
@@ -233,7 +230,7 @@ def parse_rows4(text: str) -> dict[str, int]:
             if n < 1:
                 raise ValueError
         except ValueError:
-            raise ConfigError(f"{ROWS4_ENV}={text!r}: {value!r} is not a row count; give an integer >= 1 or "
+            raise ConfigError(f"{envs.ROWS4_MIN.name}={text!r}: {value!r} is not a row count; give an integer >= 1 or "
                               "'off', for every format or per format as Q4_0=32,Q8_0=off") from None
         return n
     if "=" not in text:
@@ -243,13 +240,13 @@ def parse_rows4(text: str) -> dict[str, int]:
         fmt, _, value = item.partition("=")
         fmt = fmt.strip()
         if fmt not in qlinear.FORMAT_IDS:
-            raise ConfigError(f"{ROWS4_ENV}={text!r}: unknown format {fmt!r}; use one of {', '.join(qlinear.FORMAT_IDS)}")
+            raise ConfigError(f"{envs.ROWS4_MIN.name}={text!r}: unknown format {fmt!r}; use one of {', '.join(qlinear.FORMAT_IDS)}")
         out[fmt] = rows(value.strip())
     return out
 
 
 def rows4_text(rows4_min: dict[str, int]) -> str:
-    """`rows4_min` as ROWS4_ENV's per-format value (parse_rows4 reads it back)."""
+    """`rows4_min` as envs.ROWS4_MIN's per-format value (parse_rows4 reads it back)."""
     return ",".join(f"{f}={'off' if r >= qlinear.ROWS4_OFF else r}" for f, r in rows4_min.items())
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from phaselab import envs
-from phaselab.model.kernels.build import ISA_ENV, ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
+from phaselab.model.kernels.build import ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
 from phaselab.model.kernels.build import build as _build
 from phaselab.model.kernels.build import compiler as _compiler
 
@@ -47,10 +47,8 @@ DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
 SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the kernel sources (not pool.c): part of their build keys
 # one library: the attention, elementwise and layers sources (the header for the build key only)
 LIBRARY_SOURCES = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, DECODE_LAYERS_SOURCE, SIMD_HEADER)
-PREFILL_ENV = envs.PREFILL_ATTN.name  # the name callers set; the declaration is envs.PREFILL_ATTN
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}
-DECODE_ENV = envs.DECODE_ATTN.name  # likewise
 # PHASELAB_DECODE_ATTN values -> paged_decode's part kernel (paged_decode_set_mode)
 DECODE_MODES = {"auto": 0, "dpbf16": 1, "c": 2}
 POOL_SOURCE = Path(__file__).with_name("pool.c")
@@ -295,7 +293,7 @@ def decode_attn_mode() -> str:
     """
     want = _as_set(envs.DECODE_ATTN)
     if want not in DECODE_MODES:
-        raise ValueError(f"{DECODE_ENV}={want!r}: use one of {', '.join(DECODE_MODES)}")
+        raise ValueError(f"{envs.DECODE_ATTN.name}={want!r}: use one of {', '.join(DECODE_MODES)}")
     return want
 
 
@@ -311,7 +309,7 @@ def set_decode_attn(mode: str) -> None:
     if lib is None:
         return
     if mode == "dpbf16" and not lib.paged_decode_features() & 1:
-        raise ValueError(f"{DECODE_ENV}=dpbf16: this CPU's build lacks AVX512-BF16; use auto or c")
+        raise ValueError(f"{envs.DECODE_ATTN.name}=dpbf16: this CPU's build lacks AVX512-BF16; use auto or c")
     lib.paged_decode_set_mode(DECODE_MODES[mode])
     _decode_attn_set = mode
 
@@ -352,18 +350,18 @@ def prefill_mode(head_dim: int = 64) -> int | None:
     """
     want = _as_set(envs.PREFILL_ATTN)
     if want not in PREFILL_MODES:
-        raise ValueError(f"{PREFILL_ENV}={want!r}: use one of {', '.join(PREFILL_MODES)}")
+        raise ValueError(f"{envs.PREFILL_ATTN.name}={want!r}: use one of {', '.join(PREFILL_MODES)}")
     if want == "torch" or _load() is None:
         return None
     feats = prefill_features()
     if want == "auto" and (not feats["avx512"] or not prefill_supports(head_dim)):
         return None
     if not prefill_supports(head_dim):
-        raise ValueError(f"{PREFILL_ENV}={want}: the kernel takes head sizes that are multiples of 32 up to 256, "
+        raise ValueError(f"{envs.PREFILL_ATTN.name}={want}: the kernel takes head sizes that are multiples of 32 up to 256, "
                          f"not {head_dim}; use auto or torch")
     if ((want == "dpbf16" and not feats["avx512_bf16_dot"]) or (want == "avx512" and not feats["avx512"])
             or (want == "amx" and not feats["amx"])):
-        raise ValueError(f"{PREFILL_ENV}={want}: this CPU's build lacks it ({feats}); use auto, c or torch")
+        raise ValueError(f"{envs.PREFILL_ATTN.name}={want}: this CPU's build lacks it ({feats}); use auto, c or torch")
     return PREFILL_MODES[want]
 
 

@@ -26,7 +26,6 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-
 # PHASELAB_KERNEL_ISA: "native" (default) builds for this CPU's best instruction set; "avx2" and
 # "portable" leave out AVX-512 (and, for portable, AVX2/FMA/F16C too) so that tests and benchmarks
 # run the lower paths of every kernel on any CPU that has them
-ISA_ENV = envs.KERNEL_ISA.name  # the name callers set; the declaration is envs.KERNEL_ISA
 ISA_FLAGS = {"native": [], "avx2": ["-mno-avx512f"], "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma", "-mno-f16c"]}
 
 
@@ -53,12 +52,12 @@ def cpu_flags() -> str:
 
 
 def kernel_isa() -> str:
-    """The instruction-set level the kernels are built for (ISA_ENV; "native" unless forced)."""
+    """The instruction-set level the kernels are built for (envs.KERNEL_ISA; "native" unless forced)."""
     isa = envs.KERNEL_ISA.raw()
     if isa is None:  # unset: the default; set but empty is an error, as any other unknown level
         isa = str(envs.KERNEL_ISA.default)
     if isa not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV}={isa!r}: use one of {', '.join(ISA_FLAGS)}")
+        raise ValueError(f"{envs.KERNEL_ISA.name}={isa!r}: use one of {', '.join(ISA_FLAGS)}")
     return isa
 
 

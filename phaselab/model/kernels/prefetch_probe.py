@@ -4,7 +4,7 @@ The best distance differs between CPUs: on the AMX Xeon 4 KiB took a batch-1 ste
 to 3.26 ms, where 2 KiB had streamed faster on the AVX512-BF16 EPYC. `choose` times one decode step's
 layers at each candidate once the model is loaded (a synthetic matrix, or the layers' matrices
 streamed alone, did not rank the distances as a real step does) and records the choice in the
-linear decision (config.json; verify's reruns pin it). PREFETCH_ENV forces it.
+linear decision (config.json; verify's reruns pin it). envs.PREFETCH_BYTES forces it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,11 @@ from phaselab.model.linear import PackedLinear
 from phaselab.model.kernels.linear_timing import best_in_turns
 from phaselab.model.linear_probe import LinearDecision
 
-PREFETCH_ENV = envs.PREFETCH_BYTES.name  # the name verify pins; the declaration is envs.PREFETCH_BYTES
 PREFETCH_CANDIDATES = (2048, 4096)  # bytes ahead; the first is the kernel's default
 
 
 def choose(decision: LinearDecision, model: torch.nn.Module, rounds: int = 8) -> None:
-    """Set how far ahead the Q4_1X kernel prefetches (PREFETCH_ENV, else measured): the model's
+    """Set how far ahead the Q4_1X kernel prefetches (envs.PREFETCH_BYTES, else measured): the model's
     decoder layers run as one decode step at one row (kernels.decode_layers, over a scratch KV cache
     of CONTEXT tokens), at each PREFETCH_CANDIDATES distance in turns, best of `rounds` (~80 ms for
     the bundled model); the faster wins by more than 1%, else the default. Streaming the layers'
@@ -42,7 +41,7 @@ def choose(decision: LinearDecision, model: torch.nn.Module, rounds: int = 8) ->
             if decision.prefetch_bytes < 64:
                 raise ValueError
         except ValueError:
-            raise ConfigError(f"{PREFETCH_ENV}={forced!r} is not a byte count; give an integer >= 64 or unset it") from None
+            raise ConfigError(f"{envs.PREFETCH_BYTES.name}={forced!r} is not a byte count; give an integer >= 64 or unset it") from None
     else:
         decision.prefetch_bytes = 0
         q41x = any(isinstance(m, PackedLinear) and m.packed.fmt == "Q4_1X" for m in model.modules())

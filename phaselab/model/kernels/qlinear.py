@@ -24,7 +24,6 @@ SOURCE = Path(__file__).with_name("qlinear.c")
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6, "Q8_0L": 7}
 _ABI = 7
 AMX_OFF = 1 << 30  # an amx_min no call reaches
-REPACK_ENV = envs.Q4_REPACK.name  # the name callers set; the declaration is envs.Q4_REPACK
 LANES = {"Q4_1": "Q4_1L", "Q8_0": "Q8_0L"}  # the AVX2 build's layouts: a float32 vector lane per block
 
 _lib: ctypes.CDLL | None = None
