@@ -12,7 +12,7 @@ on a shared machine hits both; figures are medians of --trials with min/max:
            default 128 512 2048 4096) and samples its last row. phaselab: the wall time of the engine
            step() (schedule + prepare + forward + sample + output handling; forward alone reported
            too); transformers: model(ids, use_cache=True, logits_to_keep=1), as its generate() runs
-           a prefill. Also the achieved FLOP/s (modeled FLOPs, phaselab/obs/modeled_cost.py) as a fraction of
+           a prefill. Also the achieved FLOP/s (modeled FLOPs, phaselab/cost/formulas.py) as a fraction of
            the measured layer-mix GEMM rate of that dtype (issue 9 target >= 85% at 512 and 2048).
   decode   ms per step at batch B (--batches, default 1 8 32 64) with --context (512) tokens cached
            per request: the median of --decode-steps (16) consecutive steps. The context is prefilled

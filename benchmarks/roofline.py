@@ -6,7 +6,7 @@ Measures with torch, in this process, with its thread settings:
   - GEMM rate (FLOP/s) for the model's linear shapes (hidden x (q+2kv), q x hidden, hidden x
     2*intermediate, intermediate x hidden, hidden x vocab) at 1 to 2048 rows, bf16 and fp32;
   - sustained memory bandwidth: read (sum), write (fill) and copy of arrays far beyond the caches.
-Then computes floors from the model config (phaselab.obs.modeled_cost, the same modeled counts the phase
+Then computes floors from the model config (phaselab.cost.formulas, the same modeled counts the phase
 record uses): a prefill of N tokens and a decode step at batch B with context C each cost at
 least max(FLOPs / GEMM rate, bytes / bandwidth), bytes = weights once + KV read + KV written.
 
@@ -33,7 +33,7 @@ import torch
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.engine.ceilings import cpu_identity
-from phaselab.obs.modeled_cost import modeled_cost
+from phaselab.cost.formulas import modeled_cost
 
 ROWS = [1, 8, 32, 64, 128, 256, 512, 1024, 2048]
 QUICK_ROWS = [1, 32, 512, 2048]

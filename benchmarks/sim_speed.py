@@ -22,7 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from phaselab.core.scheduler import Scheduler  # noqa: E402
-from phaselab.sim.catalog import get_hardware, get_model  # noqa: E402
+from phaselab.cost.catalog import get_hardware, get_model  # noqa: E402
 from phaselab.sim.deployment import Deployment, RoleConfig  # noqa: E402
 from phaselab.sim.loop import simulate  # noqa: E402
 from phaselab.sim.summary import summarize  # noqa: E402

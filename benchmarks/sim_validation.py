@@ -1,7 +1,7 @@
 """Validation of the simulator's cost model against published GPU serving results (issue 15, item 5).
 
 Nothing here is fitted on these results: the GPU cost parameters are the shipped fits of Vidur's
-operator profiles (phaselab/sim/data/fits/, `phaselab simulate fit`) plus the documented
+operator profiles (phaselab/cost/data/fits/, `phaselab simulate fit`) plus the documented
 FlashAttention-style attention efficiency; this script only runs the simulator and compares.
 Each case writes down our reading of the published setup, the published number, ours, and the
 ratio predicted / published (target 0.7-1.3; a miss is reported with its cause, never tuned away).
@@ -34,8 +34,8 @@ import numpy as np  # noqa: E402
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
 from phaselab.core.sampling_params import SamplingParams  # noqa: E402
-from phaselab.sim.catalog import get_hardware, get_link, get_model  # noqa: E402
-from phaselab.sim.pricing import RooflineCostModel, default_params  # noqa: E402
+from phaselab.cost.catalog import get_hardware, get_link, get_model  # noqa: E402
+from phaselab.cost.pricing import RooflineCostModel, default_params  # noqa: E402
 from phaselab.sim.deployment import Deployment, RoleConfig  # noqa: E402
 from phaselab.sim.loop import simulate  # noqa: E402
 from phaselab.sim.search import SLO, candidates, max_rate  # noqa: E402

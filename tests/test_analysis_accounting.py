@@ -19,7 +19,8 @@ import pytest
 
 from phaselab.analysis.accounting import CAUSES, account_run
 from phaselab.analysis.diagnose import diagnose, diagnosis_text, write_diagnosis
-from phaselab.core.timing import IterationRecord, ModeledCost, PrefillChunk, RequestMetrics, ScheduledChunk
+from phaselab.cost.formulas import ModeledCost
+from phaselab.core.timing import IterationRecord, PrefillChunk, RequestMetrics, ScheduledChunk
 from phaselab.obs.rundir import RunData, read_run_dir, write_run_dir
 
 MS = 1_000_000

@@ -15,8 +15,8 @@ import json
 import pytest
 
 from phaselab.analysis.predict import Change, Predictor
-from phaselab.sim.catalog import get_hardware, get_model
-from phaselab.sim.pricing import default_params
+from phaselab.cost.catalog import get_hardware, get_model
+from phaselab.cost.pricing import default_params
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.workload import SimRequest
@@ -85,7 +85,7 @@ def test_spread_notes_name_what_a_run_of_one_shape_cannot_separate():
     decodes all of one batch (per-sequence vs per-step: with the pair whose split is read both ways)."""
     import numpy as np
 
-    from phaselab.sim.calibrate import spread_notes
+    from phaselab.cost.record_fit import spread_notes
 
     def f(rows, chunks, seqs):
         return {"T": np.array(rows, float), "nc": np.array(chunks, float), "n": np.array(seqs, float)}

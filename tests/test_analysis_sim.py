@@ -63,7 +63,7 @@ def test_compare_simulate_puts_the_deployments_side_by_side(tmp_path, capsys):
 def test_compare_simulate_options_and_errors(capsys):
     from phaselab.experiments.compare_sim import auto_tp, parse_split, sim_spec
     from phaselab.cli import main
-    from phaselab.sim.catalog import get_hardware, get_model
+    from phaselab.cost.catalog import get_hardware, get_model
 
     h100 = get_hardware("h100")
     assert auto_tp(get_model("llama-3-70b"), h100, 8, 2) == 4  # 141 GB of weights: 35 GB per GPU of 72 usable
@@ -93,7 +93,7 @@ def fake_roofline(tmp_path, monkeypatch):
 
 
 def test_diagnose_judges_a_simulated_run_against_the_simulated_hardware(tmp_path, fake_roofline):
-    from phaselab.sim.catalog import get_hardware, get_model
+    from phaselab.cost.catalog import get_hardware, get_model
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
     from phaselab.sim.workload import random_requests

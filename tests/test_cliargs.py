@@ -11,7 +11,7 @@ from phaselab.cli import _engine_args, build_parser
 from phaselab.engine_args import EngineArgs
 from phaselab.core.config import CHUNKED_BUDGET_DEFAULT, SchedulerConfig
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import get_hardware, get_model
+from phaselab.cost.catalog import get_hardware, get_model
 from phaselab.sim.simulate_cli import build_deployment
 from phaselab.sim.deployment import Deployment, RoleConfig
 

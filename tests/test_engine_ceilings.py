@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from phaselab.engine.ceilings import layer_shapes, main, measure_ceilings
-from phaselab.sim.catalog_files import hardware_from_dict
+from phaselab.cost.catalog_files import hardware_from_dict
 from phaselab.modelinfo.model_config import ModelConfig
 
 TINY = ModelConfig("llama", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -46,7 +46,7 @@ def test_the_ceilings_are_a_hardware_file_that_names_the_host():
 def test_cli_writes_a_file_calibrate_accepts(tmp_path, tiny_model):
     out = tmp_path / "host.json"
     assert main(["--model", tiny_model, "--dtype", "float32", "--out", str(out)]) == 0
-    from phaselab.sim.catalog import get_hardware
+    from phaselab.cost.catalog import get_hardware
 
     hw = get_hardware(str(out))
     assert hw.host["dtype"] == "float32" and hw.peak_flops > 0
@@ -94,7 +94,7 @@ def test_the_engine_records_its_hosts_ceilings_and_calibration_uses_them(tiny_mo
 
 
 def test_host_ceilings_are_measured_once_per_key_and_never_another_cpus(tmp_path, monkeypatch):
-    """The cache (phaselab/sim/host.py): one file per CPU, threads, dtype and model shapes; a second call
+    """The cache (phaselab/cost/host.py): one file per CPU, threads, dtype and model shapes; a second call
     reads it; a file at the key's path that names another CPU is measured over; a run of this CPU without
     recorded ceilings is priced (calibrate) and floored (diagnose) against the cached ones, a run of
     another CPU never is."""
@@ -102,7 +102,7 @@ def test_host_ceilings_are_measured_once_per_key_and_never_another_cpus(tmp_path
 
     import phaselab.engine.ceilings as ce
     from phaselab.analysis.machine import load_ceilings
-    from phaselab.sim.host import run_hardware
+    from phaselab.cost.host import run_hardware
 
     monkeypatch.setenv("PHASELAB_CEILINGS_DIR", str(tmp_path))
     calls = []

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.timing import ModeledCost
-from phaselab.obs.modeled_cost import keys_attended, modeled_cost
+from phaselab.cost.formulas import ModeledCost
+from phaselab.cost.formulas import keys_attended, modeled_cost
 from phaselab.modelinfo.model_config import ModelConfig
 
 
@@ -103,10 +103,20 @@ def test_chunking_keeps_attention_flops_but_rereads_the_prefix(chunk_sizes: list
 
 def test_obs_imports_no_torch() -> None:
     code = (
-        "import sys, phaselab.obs, phaselab.obs.modeled_cost, phaselab.obs.prometheus, phaselab.obs.perfetto, "
+        "import sys, phaselab.obs, phaselab.obs.prometheus, phaselab.obs.perfetto, "
         "phaselab.obs.rundir; assert 'torch' not in sys.modules, 'phaselab.obs pulled in torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
+
+
+def test_cost_imports_no_torch() -> None:
+    """Every module of the cost package loads without torch: the scheduler prices plans with it, and
+    the simulator and the analysis run where torch is not installed."""
+    root = Path(__file__).parents[1]
+    modules = sorted(f"phaselab.cost.{p.stem}" for p in (root / "phaselab" / "cost").glob("*.py") if p.stem != "__init__")
+    assert "phaselab.cost.formulas" in modules and "phaselab.cost.online_fit" in modules
+    code = f"import sys; import {', '.join(modules)}; assert 'torch' not in sys.modules, 'phaselab.cost pulled in torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
 def test_obs_reads_no_clock_except_the_creation_date() -> None:
@@ -170,7 +180,7 @@ def _slot_rereads(plan, block_size) -> int:
 def test_repeated_kv_reads_match_a_count_of_physical_slots(prefixes, picks, block_size) -> None:
     """kv_repeat_read_bytes (a shared prefix's re-reads within one step) equals a count of the
     physical slots the plan's entries read, and never exceeds what is read."""
-    from phaselab.obs.modeled_cost import CostFormulas
+    from phaselab.cost.formulas import CostFormulas
 
     formulas = CostFormulas(tiny(True), 2)
     for plan in _shared_prefix_plans(prefixes, picks, block_size):
@@ -182,7 +192,7 @@ def test_repeated_kv_reads_match_a_count_of_physical_slots(prefixes, picks, bloc
 def test_decodes_over_a_cached_prefix_reread_it() -> None:
     """Four requests over one 24-token prefix, arriving a step apart: once they decode together,
     three of them re-read the prefix's six full blocks each step; the first-block grouping misses none."""
-    from phaselab.obs.modeled_cost import CostFormulas
+    from phaselab.cost.formulas import CostFormulas
 
     formulas = CostFormulas(tiny(True), 2)
     plans = list(_shared_prefix_plans([24], [(0, 3, 12)] * 4, 4))

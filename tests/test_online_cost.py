@@ -1,4 +1,4 @@
-"""The online cost fitter (core/online_cost.py): it recovers coefficients that generated the data,
+"""The online cost fitter (cost/online_fit.py): it recovers coefficients that generated the data,
 stays within its bounds, follows a drift, and its warm-up shapes respect the engine's limits."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phaselab.core.online_cost import BudgetLearner, FitterConfig, OnlineCostFitter, shape_plan, warm_up_shapes
-from phaselab.core.adaptive_budget import IterationCostCoefficients, iteration_features, plan_features
+from phaselab.core.outputs import shape_plan
+from phaselab.cost.online_fit import BudgetLearner, FitterConfig, OnlineCostFitter, warm_up_shapes
+from phaselab.cost.iteration_cost import IterationCostCoefficients, iteration_features, plan_features
 
 TRUE = IterationCostCoefficients(overhead_s=0.02, prefill_token_s=4e-4, prefill_context_s=2e-8,
                                  decode_seq_s=1.5e-3, decode_context_s=3e-7)

@@ -229,7 +229,7 @@ def test_bundled_weight_memory(engines, bundled_path):
 
 
 def test_records_price_the_weights_as_the_engine_keeps_them(engines, bundled_path):
-    """The iteration records' modeled weight bytes (obs/modeled_cost.py: what one pass reads) are the file's
+    """The iteration records' modeled weight bytes (cost/formulas.py: what one pass reads) are the file's
     own tensors on the quantized path, counted by the GGUF reader outside the engine, and parameters x 4
     on the dequantized fp32 path, at a decode step and at a prefill alike (the GEMM above
     max_native_rows widens the same blocks into a cache-sized tile)."""

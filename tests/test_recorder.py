@@ -16,7 +16,8 @@ import pytest
 from phaselab.core.outputs import RequestDelta, ScheduledRequest, SchedulerOutput
 from phaselab.core.recorder import PhaseRecorder
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.timing import ModeledCost, RequestMetrics
+from phaselab.core.timing import RequestMetrics
+from phaselab.cost.formulas import ModeledCost
 
 
 # -- the policy -------------------------------------------------------------------------------------------

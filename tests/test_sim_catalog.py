@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from phaselab.errors import ConfigError, UnsupportedModelError
-from phaselab.sim.catalog import (
+from phaselab.cost.catalog import (
     HARDWARE, LINKS, MODELS, get_hardware, get_link, get_model, model_from_hf_config, source_of,
 )
 from phaselab.modelinfo.model_config import ModelConfig
@@ -107,7 +107,7 @@ def _write(path, obj):
 
 
 def test_hardware_and_link_from_files_work_where_names_do(tmp_path):
-    from phaselab.sim.pricing import RooflineCostModel, default_params
+    from phaselab.cost.pricing import RooflineCostModel, default_params
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
     from phaselab.sim.workload import random_requests

@@ -45,7 +45,7 @@ def test_friendly_errors(capsys):
 
 
 def test_calibrate_and_replay_a_run(tmp_path, capsys):
-    from phaselab.sim.catalog import get_hardware
+    from phaselab.cost.catalog import get_hardware
     from phaselab.sim.deployment import Deployment, RoleConfig
     from phaselab.sim.loop import simulate
     from phaselab.sim.workload import random_requests
@@ -88,7 +88,7 @@ def test_exact_prompts_are_the_benchs_own():
     import numpy as np
 
     from phaselab.workload.prompts import PromptBuilder, build_specs, load_bench_tokenizer
-    from phaselab.sim.catalog import get_hardware, get_model
+    from phaselab.cost.catalog import get_hardware, get_model
     from phaselab.sim.simulate_cli import build_workload
     from phaselab.sim.deployment import Deployment
     from phaselab.sim.loop import simulate

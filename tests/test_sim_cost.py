@@ -11,10 +11,10 @@ import pytest
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, ScheduledChunk
-from phaselab.obs.modeled_cost import plan_counts
-from phaselab.sim.calibrate import fit_params, nnls
-from phaselab.sim.catalog import get_hardware, get_link, get_model
-from phaselab.sim.pricing import CostParams, RooflineCostModel
+from phaselab.cost.formulas import plan_counts
+from phaselab.cost.record_fit import fit_params, nnls
+from phaselab.cost.catalog import get_hardware, get_link, get_model
+from phaselab.cost.pricing import CostParams, RooflineCostModel
 from phaselab.modelinfo.model_config import ModelConfig
 
 SP = SamplingParams()

@@ -13,11 +13,11 @@ import pytest
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import get_hardware, get_link, get_model
-from phaselab.sim.pricing import CostParams, RooflineCostModel, default_params
-from phaselab.sim.efficiency import attention_efficiency, gemm_efficiency, kv_read_efficiency
-from phaselab.sim.fit import fit_device, gemm_time
-from phaselab.sim.profiles import ELEMENTWISE_OPS, GEMM_OPS, read_compute_table
+from phaselab.cost.catalog import get_hardware, get_link, get_model
+from phaselab.cost.pricing import CostParams, RooflineCostModel, default_params
+from phaselab.cost.efficiency import attention_efficiency, gemm_efficiency, kv_read_efficiency
+from phaselab.cost.profile_fit import fit_device, gemm_time
+from phaselab.cost.profiles import ELEMENTWISE_OPS, GEMM_OPS, read_compute_table
 
 SP = SamplingParams()
 
@@ -174,12 +174,12 @@ def test_shipped_gpu_fits_come_from_the_profiles_and_say_so(hw):
 
 
 def test_the_shipped_a100_fit_is_what_simulate_fit_makes_from_the_packaged_tables(tmp_path):
-    """phaselab/sim/data/fits/a100.json is reproducible: `simulate fit --vidur a100` on the copied
+    """phaselab/cost/data/fits/a100.json is reproducible: `simulate fit --vidur a100` on the copied
     Vidur tables gives the same parameters."""
     import json
 
     from phaselab.sim.simulate_cli import main
-    from phaselab.sim.fit import load_fit_json
+    from phaselab.cost.profile_fit import load_fit_json
 
     out = tmp_path / "a100.json"
     assert main(["simulate", "fit", "--vidur", "a100", "--out", str(out)]) == 0

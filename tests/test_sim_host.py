@@ -15,12 +15,12 @@ import pytest
 from phaselab.errors import ConfigError
 from phaselab.obs.rundir import read_run_dir
 from phaselab.sim.calibrate import calibrate
-from phaselab.sim.catalog import get_hardware, get_model
+from phaselab.cost.catalog import get_hardware, get_model
 from phaselab.sim.simulate_cli import main
-from phaselab.sim.pricing import CostParams
+from phaselab.cost.pricing import CostParams
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.fidelity import by_kind, simulate_like
-from phaselab.sim.host import hardware_to_dict, host_mismatch, run_hardware
+from phaselab.cost.host import hardware_to_dict, host_mismatch, run_hardware
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import replay_inputs
 from phaselab.sim.workload import random_requests

@@ -16,7 +16,7 @@ from phaselab.core.kv_cache_manager import cdiv
 from phaselab.obs.rundir import read_run_dir
 from phaselab.obs.perfetto import validate_trace
 from phaselab.sim import loop
-from phaselab.sim.catalog import get_hardware, get_model
+from phaselab.cost.catalog import get_hardware, get_model
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.events import EventQueue
 from phaselab.sim.loop import simulate
@@ -42,7 +42,7 @@ def test_the_simulator_never_imports_torch():
     code = (
         "import sys\n"
         "import phaselab.sim.simulate_cli, phaselab.sim.loop, phaselab.sim.replay, phaselab.sim.calibrate, phaselab.sim.search\n"
-        "from phaselab.sim.catalog import get_model, get_hardware\n"
+        "from phaselab.cost.catalog import get_model, get_hardware\n"
         "from phaselab.sim.deployment import Deployment\n"
         "from phaselab.sim.workload import random_requests\n"
         "r = phaselab.sim.loop.simulate(Deployment(get_model('llama-3-8b'), get_hardware('h100')),"

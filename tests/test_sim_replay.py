@@ -10,7 +10,7 @@ import json
 import pytest
 
 from phaselab.obs.rundir import read_run_dir
-from phaselab.sim.catalog import get_hardware
+from phaselab.cost.catalog import get_hardware
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import ReplayError, replay, replay_inputs

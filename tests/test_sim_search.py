@@ -8,7 +8,7 @@ import pytest
 
 from phaselab.core.timing import RequestMetrics
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import get_hardware, get_model
+from phaselab.cost.catalog import get_hardware, get_model
 from phaselab.sim.loop import simulate
 from phaselab.sim.search import SLO, candidates, max_rate, random_workload_at, search
 
@@ -81,8 +81,8 @@ def test_search_takes_another_cost_model():
     """search() prices iterations with the cost model it is given: with every iteration twice as long,
     the P99 time between tokens it judges doubles, and under an SLO between the two the slower model
     meets it only at a lower rate."""
-    from phaselab.sim.catalog import get_hardware, get_model
-    from phaselab.sim.pricing import RooflineCostModel
+    from phaselab.cost.catalog import get_hardware, get_model
+    from phaselab.cost.pricing import RooflineCostModel
     from phaselab.sim.search import SLO, candidates, random_workload_at, search
 
     model, hw = get_model("llama-3-8b"), get_hardware("h100")

@@ -135,7 +135,7 @@ def test_calibrated_on_one_real_run_the_simulator_predicts_another_at_another_lo
     from tests._model_helpers import long_text
 
     # the engine's default weights (the bundled GGUF's quantized blocks): the records and the simulator price
-    # the 96.5 MB a pass reads of them (obs/modeled_cost.py StoredWeights), not parameters x dtype (269 MB in bf16)
+    # the 96.5 MB a pass reads of them (cost/formulas.py StoredWeights), not parameters x dtype (269 MB in bf16)
     llm = LLM(dtype=serving_dtype(), kv_cache_memory=kv_memory(128), max_model_len=1024, policy="chunked",
               max_num_batched_tokens=256, max_num_seqs=16, enable_prefix_caching=False)
     engine = llm.engine

@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from phaselab.core.adaptive_budget import BudgetDecision, IterationCostCoefficients, choose_prefill_budget
+from phaselab.core.adaptive_budget import BudgetDecision, choose_prefill_budget
+from phaselab.cost.iteration_cost import IterationCostCoefficients
 from phaselab.errors import ConfigError
 from tests.test_scheduler import Harness
 

@@ -14,9 +14,9 @@ import dataclasses
 import pytest
 
 from phaselab.workload.interference import InterferenceParams
-from phaselab.core.adaptive_budget import IterationCostCoefficients, plan_features
-from phaselab.sim.catalog import get_hardware, get_model
-from phaselab.sim.pricing import IterationCost
+from phaselab.cost.iteration_cost import IterationCostCoefficients, plan_features
+from phaselab.cost.catalog import get_hardware, get_model
+from phaselab.cost.pricing import IterationCost
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.core.scheduler import Scheduler
 from phaselab.sim.loop import simulate

@@ -13,8 +13,8 @@ import torch
 
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
 from phaselab.core.sampling_params import SamplingParams
-from phaselab.obs.modeled_cost import CostFormulas, modeled_cost
-from phaselab.sim.catalog import get_model
+from phaselab.cost.formulas import CostFormulas, modeled_cost
+from phaselab.cost.catalog import get_model
 from phaselab.modelinfo.model_config import ModelConfig
 from phaselab.modelinfo.gguf import open_gguf, read_gguf_config
 

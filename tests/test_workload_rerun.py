@@ -10,7 +10,7 @@ import json
 from types import SimpleNamespace
 
 from phaselab.obs.rundir import read_run_dir
-from phaselab.sim.catalog import get_hardware, get_model
+from phaselab.cost.catalog import get_hardware, get_model
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import replay_inputs

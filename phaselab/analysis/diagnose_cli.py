@@ -70,7 +70,7 @@ def _diagnose(ns: argparse.Namespace, verify: Callable[[Any, argparse.Namespace]
 
     if not ns.roofline:  # a run of this CPU is judged against this host's ceilings: measured once, cached
         from phaselab import envs
-        from phaselab.sim.host import cache_run_host, read_config
+        from phaselab.sim.measure_host import cache_run_host, read_config
 
         if not envs.ROOFLINE.get():
             cache_run_host(ns.run_dir, read_config(ns.run_dir),

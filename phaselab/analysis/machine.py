@@ -3,7 +3,7 @@
 Looked up in this order: an explicit path (`--roofline FILE`), `$PHASELAB_ROOFLINE`; then the run's
 own host's ceilings (phaselab/engine/ceilings.py: recorded in the run's config.json, else cached for
 the run's CPU model, ISA flags, threads, dtype and model under ~/.cache/phaselab/ceilings, see
-phaselab/sim/host.py); then the JSON `benchmarks/roofline.py` writes
+phaselab/cost/host.py); then the JSON `benchmarks/roofline.py` writes
 (`./benchmarks/results/roofline.json`, then the same path next to the installed `phaselab` package,
 a source checkout), marked "another CPU's" when it was measured on another CPU than the run's.
 Without any, the documented defaults below are used and every figure that depends on them says
@@ -142,10 +142,10 @@ def _describe(d: dict[str, Any], where: str) -> str:
 
 
 def host_ceilings(config: dict[str, Any]) -> Ceilings | None:
-    """The run's own host's ceilings (phaselab/sim/host.py run_ceilings: recorded in its config.json,
+    """The run's own host's ceilings (phaselab/cost/host.py run_ceilings: recorded in its config.json,
     else cached for its CPU, threads, dtype and model); a disaggregated run: the decode workers'
     bandwidth and the prefill workers' GEMM rate. None when the run has neither."""
-    from phaselab.sim.host import run_ceilings
+    from phaselab.cost.host import run_ceilings
 
     roles = {"decode": run_engine_config(config, "decode"), "prefill": run_engine_config(config, "prefill")}
     found = {}

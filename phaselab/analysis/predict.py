@@ -2,7 +2,7 @@
 own scheduler and a cost model calibrated on the run itself, before and after the change.
 
     run dir ─▶ replay_inputs (sim/replay.py): deployment, requests at their real arrival offsets
-            ─▶ calibrate (sim/calibrate.py): the cost model's efficiencies fitted to the run's iterations
+            ─▶ calibrate (cost/record_fit.py): the cost model's efficiencies fitted to the run's iterations
             ─▶ simulate as recorded ("before") and with the change ("after")
             ─▶ predicted after = measured x (simulated after / simulated before), per figure
 
@@ -21,7 +21,7 @@ prefill ran in 0.47 s, the capped GEMM term alone said 1.02 s; 131 ms chunks wer
 a change that trades long prefills for short chunks was predicted to cost nothing while it cost
 +68% E2E; a ceiling below what the run itself achieved is raised to it here (`achieved_ceilings`).
 (2) iterations above max_native_rows pay one widening of the weights whatever their number of
-chunks (sim/calibrate.py's o_wide), which a per-chunk overhead priced twice when a change batches
+chunks (cost/record_fit.py's o_wide), which a per-chunk overhead priced twice when a change batches
 several prompts in one iteration. A change is `Change(knobs)` in the simulator's RoleConfig
 names plus the serve flags a user would type, or a whole Deployment field: a disaggregated run
 (its pools, its link as its transfers measured it: sim/replay.py measured_link) is predicted

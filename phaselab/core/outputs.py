@@ -9,6 +9,7 @@ objects. Everything here is plain Python (ints, lists, dataclasses) so it pickle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from phaselab.core.sampling_params import SamplingParams
@@ -115,3 +116,20 @@ class EngineStats:
     records: dict[str, int] = field(default_factory=dict)  # PhaseRecorder.stats()
     # why no new request can be served now (disaggregated: a role without a live worker); None: it can
     unavailable: str | None = None
+
+
+def shape_plan(iteration_id: int, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int],
+               block_ids: Sequence[int], block_size: int) -> SchedulerOutput:
+    """A synthetic plan of the given shape over borrowed blocks (shared between its entries: only
+    the time is wanted, the K/V written are garbage). Decodes and chunk ends sample greedily."""
+    greedy = SamplingParams(temperature=0.0)
+    plan = SchedulerOutput(iteration_id=iteration_id)
+    entries = [(n, s, True) for n, s in chunks] + [(1, c - 1, False) for c in decode_contexts]
+    for i, (n, start, is_prefill) in enumerate(entries):
+        num_table = -(-(start + n) // block_size)
+        table = [block_ids[(i + j) % len(block_ids)] for j in range(num_table)]
+        plan.scheduled.append(ScheduledRequest(
+            request_id=f"warm-up-{iteration_id}-{i}", token_ids=[(7 * j + i) % 1000 + 1 for j in range(n)],
+            start_position=start, block_ids=table, new_block_ids=[], sample=True, is_prefill=is_prefill,
+            sampling_params=greedy))
+    return plan

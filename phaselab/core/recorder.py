@@ -34,7 +34,8 @@ from typing import Protocol
 
 from phaselab.core.outputs import RequestDelta, SchedulerOutput
 from phaselab.core.adaptive_budget import budget_fields
-from phaselab.core.timing import IterationRecord, ModeledCost, RequestMetrics, ScheduledChunk
+from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk
+from phaselab.cost.formulas import ModeledCost
 
 
 class HasCachedTokens(Protocol):

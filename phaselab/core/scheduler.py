@@ -88,14 +88,8 @@ from phaselab.core.config import CacheConfig, SchedulerConfig
 from phaselab.core.kv_cache_manager import KVCacheManager, PrefixCacheStats, cdiv
 from phaselab.core.outputs import RequestDelta, ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.core.request import Request, RequestStatus
-from phaselab.core.adaptive_budget import (
-    BudgetDecision,
-    IterationCostCoefficients,
-    choose_prefill_budget,
-    chunk_cost,
-    largest_chunk_within,
-    prefill_rank,
-)
+from phaselab.core.adaptive_budget import BudgetDecision, choose_prefill_budget, prefill_rank
+from phaselab.cost.iteration_cost import IterationCostCoefficients, chunk_cost, largest_chunk_within
 from phaselab.errors import InvalidRequestError
 
 

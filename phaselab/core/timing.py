@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from phaselab.cost.formulas import ModeledCost
+
 
 # The phases that tile TTFT, in timeline order (RequestMetrics.ttft_components_ns).
 TTFT_COMPONENTS = (
@@ -227,34 +229,6 @@ class RequestMetrics:
     def ttft_components(self) -> dict[str, float]:
         """`ttft_components_ns()` in seconds (sums to ttft_s up to float rounding)."""
         return {k: v / 1e9 for k, v in self.ttft_components_ns().items()}
-
-
-@dataclass
-class ModeledCost:
-    """What one iteration must move and compute, from the model config and the plan alone.
-
-    MODELED, not measured: weights read once per iteration, each decode reads its whole context's
-    K/V, each prefill chunk reads the K/V of the prefix before it, every computed token writes its
-    K/V; FLOPs are 2 x MACs of the linear layers (LM head for sampled rows only) plus attention
-    (QK^T and PV over the keys each query attends). See docs/metrics.md for the formulas.
-    """
-
-    weight_bytes: int = 0
-    kv_read_bytes: int = 0
-    kv_write_bytes: int = 0
-    matmul_flops: int = 0
-    attention_flops: int = 0
-    # of kv_read_bytes: re-reads of a block an earlier entry of the same iteration read (a prefix
-    # several requests share through the prefix cache); a cache serves them, memory moves them once
-    kv_repeat_read_bytes: int = 0
-
-    @property
-    def total_bytes(self) -> int:
-        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
-
-    @property
-    def flops(self) -> int:
-        return self.matmul_flops + self.attention_flops
 
 
 @dataclass

@@ -15,8 +15,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
-from phaselab.core.adaptive_budget import IterationCostCoefficients
+from phaselab.core.outputs import shape_plan
+from phaselab.cost.online_fit import BudgetLearner, OnlineCostFitter, warm_up_shapes
+from phaselab.cost.iteration_cost import IterationCostCoefficients
 from phaselab.errors import ConfigError
 
 if TYPE_CHECKING:

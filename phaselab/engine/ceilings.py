@@ -4,7 +4,7 @@
                                        [--out host.json]
 
 The cost model's efficiencies are fractions of a device's peak FLOP/s and memory bandwidth, at most 1
-(phaselab/sim/efficiency.py). On a CPU the "peak" is what this host reaches, not a datasheet, and it
+(phaselab/cost/efficiency.py). On a CPU the "peak" is what this host reaches, not a datasheet, and it
 differs between the hosts these sessions run on (an AMD EPYC with AVX512-BF16 does ~215 GFLOP/s bf16
 on the bundled model's shapes with 2 threads, the Intel Xeon the catalog's `cpu` entry was measured
 on ~180). So the ceilings are measured on the host that makes the run, with the run's dtype, model
@@ -17,12 +17,12 @@ shapes and torch threads:
     mem_bandwidth  the read bandwidth of a 256 MiB array (sum), best of several trials
     memory_bytes   MemTotal of /proc/meminfo
 
-The result is a hardware file (phaselab/sim/catalog_files.py's schema, usable as `--hardware
+The result is a hardware file (phaselab/cost/catalog_files.py's schema, usable as `--hardware
 FILE.json` anywhere) whose `host` object names the CPU model, its ISA flags, torch's CPU capability,
 the threads, dtype and model, where and when it was measured, the load average before and after,
 and every rate measured.
 
-`host_ceilings` measures them once per key and caches them (phaselab/sim/host.py: one file per CPU
+`host_ceilings` measures them once per key and caches them (phaselab/cost/host.py: one file per CPU
 model + ISA flags + threads + dtype + the model's layer shapes, under ~/.cache/phaselab/ceilings by
 default, `PHASELAB_CEILINGS_DIR` moves it; `--cached` here). The engine records them in the run
 directory's config.json ("ceilings") when asked (EngineArgs.measure_ceilings, LLMEngine.record_ceilings();
@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from phaselab.sim.host import ISA_FLAGS, ceilings_key, ceilings_file, model_shapes, read_cached, this_cpu  # noqa: F401
+from phaselab.cost.host import ISA_FLAGS, ceilings_key, ceilings_file, model_shapes, read_cached, this_cpu  # noqa: F401
 from phaselab.modelinfo.model_config import ModelConfig
 
 GEMM_ROWS = (256, 1024, 2048)
@@ -209,7 +209,7 @@ def _best_of(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 def host_ceilings(config: ModelConfig, dtype: torch.dtype = torch.bfloat16, refresh: bool = False,
                   log: Callable[[str], None] | None = None, improve: bool = False) -> dict[str, Any]:
     """This host's ceilings for `config`'s shapes, `dtype` and this process's torch threads: the cached
-    file of that key (phaselab/sim/host.py) when it was measured on this CPU with this torch, else
+    file of that key (phaselab/cost/host.py) when it was measured on this CPU with this torch, else
     measured now (measure_ceilings, a few seconds) and cached. `refresh`: measure anew even when
     cached. `improve`: when the cached file was measured on a busy machine (_loaded: at most
     MEASUREMENTS times in all), measure again and keep the higher of each rate (what `phaselab compare` and `--cached` ask before any engine
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the hardware JSON here (default: stdout)")
     ap.add_argument("--cached", action="store_true",
                     help="this host's cached ceilings for the key (measured and cached when absent; "
-                         "phaselab/sim/host.py says where)")
+                         "phaselab/cost/host.py says where)")
     ap.add_argument("--refresh", action="store_true", help="with --cached: measure again and replace the cached file")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -49,7 +49,7 @@ from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint
 from phaselab.model.sampler import Sampler
-from phaselab.obs.modeled_cost import CostFormulas, StoredWeights
+from phaselab.cost.formulas import CostFormulas, StoredWeights
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
 from phaselab.modelinfo.tokenizer import Tokenizer
@@ -115,7 +115,7 @@ class LLMEngine:
         # -- the phase record (docs/metrics.md) --
         self.worker, self.role = worker, role
         self.dtype_bytes = torch.finfo(self.dtype).bits // 8
-        # the records' modeled counts (obs/modeled_cost.py), with the weights priced as this engine keeps them
+        # the records' modeled counts (cost/formulas.py), with the weights priced as this engine keeps them
         self.cost_formulas = CostFormulas(self.model_config, self.dtype_bytes,
                                           StoredWeights.from_linear(self.linear_summary))
         self.stamp_sent = True  # offline: "sent" = handed to the caller; a server stamps the socket write

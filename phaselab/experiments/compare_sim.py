@@ -76,8 +76,8 @@ def sim_spec(model: str, hardware: str, num_gpus: int = 8, tp: int | None = None
              transfer_mode: str = "after-prefill") -> SimSpec:
     """Resolve `compare --simulate`'s options (catalog names checked, TP and the split chosen) into a SimSpec."""
     from phaselab.errors import ConfigError
-    from phaselab.sim.catalog import get_hardware, get_link
-    from phaselab.sim.catalog_files import is_file_ref
+    from phaselab.cost.catalog import get_hardware, get_link
+    from phaselab.cost.catalog_files import is_file_ref
     from phaselab.sim.simulate_cli import DTYPE_BYTES, resolve_model
 
     m, hw = resolve_model(model), get_hardware(hardware)
@@ -127,9 +127,9 @@ def make_sim_plan(spec: SimSpec, budgets: Sequence[int] = COMPARE_BUDGETS, disag
 
 
 def sim_deployment(spec: SimSpec, cfg: RunConfig) -> Any:
-    from phaselab.sim.catalog import get_hardware
+    from phaselab.cost.catalog import get_hardware
     from phaselab.sim.simulate_cli import DTYPE_BYTES, resolve_model
-    from phaselab.sim.pricing import CostParams
+    from phaselab.cost.pricing import CostParams
     from phaselab.sim.deployment import Deployment, RoleConfig
 
     common: dict[str, Any] = dict(dtype_bytes=DTYPE_BYTES[spec.dtype], transfer_link=spec.link,

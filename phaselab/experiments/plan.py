@@ -92,9 +92,9 @@ def trace_workload_at(path: str, num_prompts: int | None) -> Any:
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    from phaselab.sim.catalog import get_hardware
+    from phaselab.cost.catalog import get_hardware
     from phaselab.sim.simulate_cli import DTYPE_BYTES, resolve_model
-    from phaselab.sim.pricing import CostParams
+    from phaselab.cost.pricing import CostParams
     from phaselab.sim.search import SLO, candidates, random_workload_at, search
 
     if ns.slo_ttft_ms <= 0 or ns.slo_tbt_ms <= 0:

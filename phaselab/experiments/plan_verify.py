@@ -4,7 +4,7 @@ measured figures next to the predicted ones (issue 17, item 3).
     calibration runs  (unless --params): the plan's workload on a chunked engine with the bundled
                       model, every request at once (at each planned budget) and spread out (at the
                       largest); the simulator's cost parameters are fitted to their iterations
-                      (sim/calibrate.py, Verifier.calibrate), so prediction and measurement share a load
+                      (cost/record_fit.py, Verifier.calibrate), so prediction and measurement share a load
     plan              the search of phaselab/experiments/plan.py with those parameters
     verification      the top colocated configurations, each at its planned rate R (its predicted
                       goodput): the same seeded requests (random token ids of the same lengths,
@@ -126,7 +126,7 @@ class Verifier:
         calibration runs predicted 1.61x their measured total, and every plan verified 8-37% faster
         than predicted. Bounded by this host's: 1.01x."""
         from phaselab.engine.ceilings import measure_ceilings
-        from phaselab.sim.catalog_files import hardware_from_dict
+        from phaselab.cost.catalog_files import hardware_from_dict
 
         ceilings = measure_ceilings(self.model, self.dtype, log=self.log)
         return hardware_from_dict(ceilings, "measured now on this host by phaselab plan --verify")
@@ -174,7 +174,7 @@ class Verifier:
                        narrow iterations (a few decodes, one short chunk) that a planned rate runs
                        most of, which the passes at once reach only in their tails
         the wide step  above the engine's max_native_rows rows the linear layers leave the one-row
-                       kernel for the batched GEMM at a fixed cost per iteration (sim/calibrate.py's
+                       kernel for the batched GEMM at a fixed cost per iteration (cost/record_fit.py's
                        wide_overhead_s), fitted apart: averaged into the other terms, the iterations
                        of a chunked-64 plan's real run measured 1.21x their prediction when wide and
                        0.56x when narrow, and the plan verified at 6% attainment against 94%
@@ -184,7 +184,7 @@ class Verifier:
         import numpy as np
 
         from phaselab.core.config import SchedulerConfig
-        from phaselab.sim.calibrate import fit_params, iteration_cycles
+        from phaselab.cost.record_fit import fit_params, iteration_cycles
         from phaselab.workload.driver import Arrival, random_prompt, run_arrivals
 
         requests = workload_at(1.0)

@@ -98,7 +98,7 @@ class LinearDecision:
     @property
     def wide_rows(self) -> int:
         """Rows above which a forward leaves the one-row kernel for the batched GEMM, a cost step the
-        cost models price apart (core/adaptive_budget.py, sim/calibrate.py); 0 when every layer runs through torch."""
+        cost models price apart (core/adaptive_budget.py, cost/record_fit.py); 0 when every layer runs through torch."""
         return self.max_native_rows if self.path != "torch" else 0
 
     def summary(self) -> str:

@@ -57,7 +57,7 @@ class ModelConfig:
     norm: str = "rms"  # "rms" (weight) | "layer" (weight + bias)
     learned_position_rows: int = 0  # rows of a learned position table (OPT: max positions + 2); 0: RoPE
     # Where the figures came from (field name or "*" -> "config.json of ...", "the engine's ModelConfig");
-    # read with phaselab.sim.catalog.source_of. Not compared.
+    # read with phaselab.cost.catalog.source_of. Not compared.
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -25,7 +25,8 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
-from phaselab.core.timing import IterationRecord, ModeledCost, RequestMetrics
+from phaselab.core.timing import IterationRecord, RequestMetrics
+from phaselab.cost.formulas import ModeledCost
 from phaselab.errors import PhaselabError
 from phaselab.obs.perfetto import build_trace, write_trace
 

@@ -18,9 +18,9 @@ from typing import Any
 from phaselab.engine_args import MODES, ROUTING_POLICIES
 from phaselab.core.config import CHUNKED_BUDGET_DEFAULT, CacheConfig, SchedulerConfig, knob, scheduler_options
 from phaselab.errors import ConfigError
-from phaselab.obs.modeled_cost import StoredWeights
-from phaselab.sim.catalog import LINKS, GiB, HardwareSpec, LinkSpec, get_link
-from phaselab.sim.pricing import CostParams, default_params
+from phaselab.cost.formulas import StoredWeights
+from phaselab.cost.catalog import LINKS, GiB, HardwareSpec, LinkSpec, get_link
+from phaselab.cost.pricing import CostParams, default_params
 from phaselab.modelinfo.model_config import ModelConfig
 
 TRANSFER_MODES = ("after-prefill", "layer-by-layer")
@@ -80,7 +80,7 @@ class Deployment:
     params: CostParams | None = None  # default: the hardware's defaults
     # the weights as a real engine keeps them (quantized blocks: fewer bytes per pass than parameters x
     # dtype_bytes); None: parameters x dtype_bytes. A replay or prediction of a CPU run takes it from
-    # the run's config.json (obs/modeled_cost.py StoredWeights.from_linear)
+    # the run's config.json (cost/formulas.py StoredWeights.from_linear)
     stored_weights: StoredWeights | None = None
     delivery_s: float = 0.0  # token sampled -> sent
 
@@ -118,7 +118,7 @@ class Deployment:
     def transfer_link_spec(self) -> LinkSpec:
         """The KV transfer's link at its fitted point-to-point efficiency and latency where a shipped
         device fit measured it (NVLink 3/4 from Vidur's send_recv tables), else its datasheet figures."""
-        from phaselab.sim.fit import effective_link
+        from phaselab.cost.profile_fit import effective_link
 
         if isinstance(self.transfer_link, LinkSpec):  # measured: used as it is
             return self.transfer_link

@@ -31,10 +31,10 @@ import numpy as np
 
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.obs.rundir import read_run_dir
-from phaselab.sim import calibrate as cal
-from phaselab.sim.catalog import HardwareSpec
-from phaselab.sim.pricing import CostParams
-from phaselab.sim.host import run_hardware
+from phaselab.cost import record_fit as cal
+from phaselab.cost.catalog import HardwareSpec
+from phaselab.cost.pricing import CostParams
+from phaselab.cost.host import run_hardware
 from phaselab.sim.loop import simulate
 from phaselab.sim.replay import replay_inputs
 from phaselab.sim.summary import summarize

@@ -47,7 +47,7 @@ from phaselab.core.scheduler import Scheduler
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
-from phaselab.sim.pricing import IterationCost, RooflineCostModel
+from phaselab.cost.pricing import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
 from phaselab.sim.sim_worker import NS, CostModel, CostModelExecutor, SimWorker

@@ -29,12 +29,12 @@ from phaselab.core.config import SchedulerConfig
 from phaselab.core.outputs import SchedulerOutput
 from phaselab.core.timing import IterationRecord
 from phaselab.errors import PhaselabError
-from phaselab.obs.modeled_cost import StoredWeights, plan_counts
+from phaselab.cost.formulas import StoredWeights, plan_counts
 from phaselab.obs.rundir import RunData, engine_config, read_run_dir
-from phaselab.sim.calibrate import iteration_cycles, run_model
-from phaselab.sim.catalog import LinkSpec
-from phaselab.sim.host import run_hardware
-from phaselab.sim.pricing import IterationCost, RooflineCostModel
+from phaselab.cost.record_fit import iteration_cycles, run_model
+from phaselab.cost.catalog import LinkSpec
+from phaselab.cost.host import run_hardware
+from phaselab.cost.pricing import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.sim.loop import SimResult, Simulator
 from phaselab.sim.workload import SimRequest

@@ -30,8 +30,8 @@ from typing import Any
 
 from phaselab.core.config import BUDGETS_TRIED
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import HardwareSpec
-from phaselab.sim.pricing import CostParams
+from phaselab.cost.catalog import HardwareSpec
+from phaselab.cost.pricing import CostParams
 from phaselab.sim.deployment import TPS_TRIED, Deployment, RoleConfig
 from phaselab.sim.loop import simulate
 from phaselab.sim.summary import percentile, slo_attainment

@@ -12,14 +12,15 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from phaselab.core.adaptive_budget import IterationCostCoefficients
+from phaselab.cost.iteration_cost import IterationCostCoefficients
 from phaselab.core.executor import Executor
-from phaselab.core.online_cost import BudgetLearner, OnlineCostFitter, shape_plan, warm_up_shapes
+from phaselab.core.outputs import shape_plan
+from phaselab.cost.online_fit import BudgetLearner, OnlineCostFitter, warm_up_shapes
 from phaselab.core.outputs import SchedulerOutput, StepResult
 from phaselab.core.request import Request
 from phaselab.core.scheduler import Scheduler
 from phaselab.sim.deployment import RoleConfig
-from phaselab.sim.pricing import IterationCost
+from phaselab.cost.pricing import IterationCost
 from phaselab.sim.transfer import Flow
 from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN
 

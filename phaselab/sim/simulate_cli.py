@@ -23,7 +23,7 @@ from typing import Any
 from phaselab.cliargs import add_fields, field_values
 from phaselab.core.config import BUDGETS_TRIED_TEXT
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import GiB, HARDWARE, LINKS, MODELS, get_hardware, get_model, model_from_hf_config
+from phaselab.cost.catalog import GiB, HARDWARE, LINKS, MODELS, get_hardware, get_model, model_from_hf_config
 from phaselab.sim.deployment import TPS_TRIED_TEXT, Deployment, RoleConfig
 from phaselab.modelinfo.model_config import ModelConfig
 
@@ -76,7 +76,7 @@ def add_simulate_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="least-squares weight of each iteration's error: 1/sqrt(time), 1/time or 1 "
                           "(default: %(default)s)")
 
-    from phaselab.sim.fit import add_fit_parser
+    from phaselab.cost.profile_fit import add_fit_parser
 
     add_fit_parser(sub)
 
@@ -185,7 +185,7 @@ def resolve_model(name: str) -> ModelConfig:
 
 
 def build_deployment(ns: argparse.Namespace) -> Any:
-    from phaselab.sim.pricing import CostParams
+    from phaselab.cost.pricing import CostParams
 
     params = CostParams.load(ns.params) if ns.params else None
     role = field_values(ns, RoleConfig, ROLE_FIELDS)
@@ -303,14 +303,16 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 def _cmd_calibrate(ns: argparse.Namespace) -> int:
     import warnings
 
-    from phaselab.sim.calibrate import calibrate, write_params
-    from phaselab.sim.host import measure_host, write_hardware
+    from phaselab.cost.record_fit import write_params
+    from phaselab.sim.calibrate import calibrate
+    from phaselab.cost.host import write_hardware
+    from phaselab.sim.measure_host import measure_host
 
     if ns.measure_host and ns.hardware:
         raise ConfigError("pass either --hardware or --measure-host, not both")
     hardware = measure_host(ns.run_dir, ns.measure_host) if ns.measure_host else ns.hardware
     if hardware is None:  # a run of this CPU is priced against this host's ceilings: measured once, cached
-        from phaselab.sim.host import cache_run_host, read_config
+        from phaselab.sim.measure_host import cache_run_host, read_config
 
         cache_run_host(ns.run_dir, read_config(ns.run_dir),
                        log=lambda m: print(f"phaselab simulate calibrate: {m}", file=sys.stderr))
@@ -341,13 +343,13 @@ def _cmd_calibrate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_fit(ns: argparse.Namespace) -> int:
-    from phaselab.sim.fit import run_fit
+    from phaselab.cost.profile_fit import run_fit
 
     return run_fit(ns)
 
 
 def _cmd_search(ns: argparse.Namespace) -> int:
-    from phaselab.sim.pricing import CostParams
+    from phaselab.cost.pricing import CostParams
     from phaselab.sim.search import SLO, candidates, random_workload_at, search
 
     slo = SLO(ns.objective, ns.ttft_slo, ns.tpot_slo, ns.attainment, ns.tbt_slo, ns.max_queue)
@@ -385,8 +387,8 @@ def _cmd_search(ns: argparse.Namespace) -> int:
 
 
 def _cmd_catalog(ns: argparse.Namespace) -> int:
-    from phaselab.sim.catalog import source_of
-    from phaselab.sim.pricing import default_params
+    from phaselab.cost.catalog import source_of
+    from phaselab.cost.pricing import default_params
 
     print("hardware:")
     for h in HARDWARE.values():

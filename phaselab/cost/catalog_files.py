@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from phaselab.errors import ConfigError
+
+if TYPE_CHECKING:  # catalog imports this module inside its lookups
+    from phaselab.cost.catalog import HardwareSpec, LinkSpec
 
 HARDWARE_FIELDS = {"name": str, "peak_flops": float, "mem_bandwidth": float, "memory_bytes": float}
 HARDWARE_OPTIONAL = {"tp_link", "description", "sources", "cost_params", "host"}
@@ -67,8 +70,8 @@ def _check(d: dict[str, Any], path: str, kind: str, required: dict[str, type], o
                           f"{', '.join([*required, *sorted(optional)])}")
 
 
-def load_link(path: str) -> Any:
-    from phaselab.sim.catalog import LinkSpec
+def load_link(path: str) -> LinkSpec:
+    from phaselab.cost.catalog import LinkSpec
 
     d = _read(path, "link")
     _check(d, path, "link", LINK_FIELDS, LINK_OPTIONAL)
@@ -78,14 +81,14 @@ def load_link(path: str) -> Any:
                     str(d.get("description", "")), sources)
 
 
-def load_hardware(path: str) -> Any:
+def load_hardware(path: str) -> HardwareSpec:
     return hardware_from_dict(_read(path, "hardware"), path, os.path.dirname(os.path.abspath(path)))
 
 
-def hardware_from_dict(d: dict[str, Any], path: str, base_dir: str = ".") -> Any:
+def hardware_from_dict(d: dict[str, Any], path: str, base_dir: str = ".") -> HardwareSpec:
     """A HardwareSpec from a hardware file's object (`path` names where it came from in errors and sources;
     a relative tp_link file is looked up in `base_dir`)."""
-    from phaselab.sim.catalog import HardwareSpec, get_link
+    from phaselab.cost.catalog import HardwareSpec, get_link
 
     if not isinstance(d, dict):
         raise ConfigError(f"hardware {path}: expected a JSON object with fields {', '.join(HARDWARE_FIELDS)}")
@@ -96,7 +99,7 @@ def hardware_from_dict(d: dict[str, Any], path: str, base_dir: str = ".") -> Any
     get_link(tp_link)  # fail here, naming the hardware file, rather than at the first TP engine
     params = d.get("cost_params")
     if params is not None:
-        from phaselab.sim.pricing import CostParams
+        from phaselab.cost.pricing import CostParams
 
         if not isinstance(params, dict):
             raise ConfigError(f"hardware file {path}: cost_params must be an object of CostParams fields")

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from phaselab.errors import ConfigError, UnsupportedModelError
 from phaselab.modelinfo.model_config import ModelConfig
 
 GiB = 2**30
+_Entry = TypeVar("_Entry")
 
 
 def source_of(spec: Any, name: str) -> str:
     """Where the value of field `name` of a catalog entry came from."""
-    return getattr(spec, "sources", {}).get(name, "default")
+    return str(getattr(spec, "sources", {}).get(name, "default"))
 
 
 # -- links -----------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ HARDWARE_ALIASES = {"a100-80gb": "a100", "h100-sxm": "h100", "h200-sxm": "h200",
 
 def get_hardware(name: str) -> HardwareSpec:
     """A catalog entry by name, or a hardware JSON file (catalog_files.py)."""
-    from phaselab.sim import catalog_files
+    from phaselab.cost import catalog_files
 
     if catalog_files.is_file_ref(name):
         return catalog_files.load_hardware(name)
@@ -137,7 +138,7 @@ def get_hardware(name: str) -> HardwareSpec:
 
 def get_link(name: str) -> LinkSpec:
     """A catalog link by name, or a link JSON file (catalog_files.py)."""
-    from phaselab.sim import catalog_files
+    from phaselab.cost import catalog_files
 
     if catalog_files.is_file_ref(name):
         return catalog_files.load_link(name)
@@ -145,7 +146,7 @@ def get_link(name: str) -> LinkSpec:
                    name, "link")
 
 
-def _lookup(table: dict[str, Any], aliases: dict[str, str], name: str, kind: str) -> Any:
+def _lookup(table: dict[str, _Entry], aliases: dict[str, str], name: str, kind: str) -> _Entry:
     key = name.strip().lower()
     key = aliases.get(key, key)
     if key in table:

@@ -1,7 +1,7 @@
 """Modeled cost of one iteration: bytes it must move and FLOPs it must compute.
 
 The one home of these formulas: the engine's and router's records (`modeled_cost`) and the
-simulator's pricing (`phaselab.sim.pricing`, through `CostFormulas`) both count with them.
+simulator's pricing (`phaselab.cost.pricing`, through `CostFormulas`) both count with them.
 
 MODELED, not measured: pure arithmetic over the model config and the plan, the "count first"
 floor of docs/design.md's "How performance is measured" (measured time / floor: how far from the hardware).
@@ -33,10 +33,38 @@ once per iteration, the LM head included even in an iteration that samples no ro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from phaselab.core.outputs import SchedulerOutput
-from phaselab.core.timing import ModeledCost
+from phaselab.cost.shapes import Plan, PlanEntry
 from phaselab.modelinfo.model_config import ModelConfig
+
+
+@dataclass
+class ModeledCost:
+    """What one iteration must move and compute, from the model config and the plan alone.
+
+    MODELED, not measured: weights read once per iteration, each decode reads its whole context's
+    K/V, each prefill chunk reads the K/V of the prefix before it, every computed token writes its
+    K/V; FLOPs are 2 x MACs of the linear layers (LM head for sampled rows only) plus attention
+    (QK^T and PV over the keys each query attends). See docs/metrics.md for the formulas.
+    """
+
+    weight_bytes: int = 0
+    kv_read_bytes: int = 0
+    kv_write_bytes: int = 0
+    matmul_flops: int = 0
+    attention_flops: int = 0
+    # of kv_read_bytes: re-reads of a block an earlier entry of the same iteration read (a prefix
+    # several requests share through the prefix cache); a cache serves them, memory moves them once
+    kv_repeat_read_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weight_bytes + self.kv_read_bytes + self.kv_write_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.matmul_flops + self.attention_flops
 
 
 def keys_attended(num_tokens: int, start_position: int) -> int:
@@ -62,7 +90,7 @@ class PlanCounts:
     kv_tokens_repeated: int = 0  # of kv_tokens_read: in blocks an earlier entry of the plan reads too
 
 
-def plan_counts(plan: SchedulerOutput) -> PlanCounts:
+def plan_counts(plan: Plan) -> PlanCounts:
     num_tokens = num_sampled = kv_read = keys = chunks = decodes = decode_keys = 0
     shapes = []
     for e in plan.scheduled:
@@ -84,7 +112,7 @@ def plan_counts(plan: SchedulerOutput) -> PlanCounts:
                       tuple(shapes), repeated_kv_tokens(plan))
 
 
-def repeated_kv_tokens(plan: SchedulerOutput) -> int:
+def repeated_kv_tokens(plan: Plan) -> int:
     """Tokens of K/V the plan's entries read from a block an earlier entry reads too. A block is
     shared only through the prefix cache (or a fork), and a shared block is full and leads every
     table that holds it (its hash chains from the first block), so entries whose first blocks
@@ -92,7 +120,7 @@ def repeated_kv_tokens(plan: SchedulerOutput) -> int:
     size = plan.block_size
     if size <= 0 or len(plan.scheduled) < 2:
         return 0
-    groups: dict[int, list] = {}
+    groups: dict[int, list[PlanEntry]] = {}
     for e in plan.scheduled:
         if e.block_ids:
             groups.setdefault(e.block_ids[0], []).append(e)
@@ -144,7 +172,7 @@ class StoredWeights:
     dense_above_rows: int | None = None
 
     @classmethod
-    def from_linear(cls, linear: dict | None) -> StoredWeights | None:
+    def from_linear(cls, linear: dict[str, Any] | None) -> StoredWeights | None:
         """From the engine's linear summary (config.json's `linear`); None for the torch path (dense
         weights in the engine dtype: the parameter count prices them) or a run that did not record it."""
         if not isinstance(linear, dict) or linear.get("path") in (None, "torch") or "weight_bytes" not in linear:
@@ -191,11 +219,11 @@ class CostFormulas:
             kv_repeat_read_bytes=self.kv_bytes_per_token * c.kv_tokens_repeated,
         )
 
-    def of_plan(self, plan: SchedulerOutput) -> ModeledCost:
+    def of_plan(self, plan: Plan) -> ModeledCost:
         return self.of_counts(plan_counts(plan))
 
 
-def modeled_cost(config: ModelConfig, plan: SchedulerOutput, dtype_bytes: int,
+def modeled_cost(config: ModelConfig, plan: Plan, dtype_bytes: int,
                  stored: StoredWeights | None = None) -> ModeledCost:
     """The modeled bytes and FLOPs of executing `plan` once (see the module docstring)."""
     return CostFormulas(config, dtype_bytes, stored).of_plan(plan)

@@ -16,7 +16,7 @@ Why these shapes:
 - GEMM: a GEMM of T rows fills T / tile of the tensor cores' row tiles and amortises the weight read
   over T rows; the rational curve is the standard one-parameter saturating fit (Vidur fits a
   random forest to the same profiles; one half-saturation point is enough to bound it and is fitted
-  from them, see phaselab/sim/fit.py).
+  from them, see phaselab/cost/profile_fit.py).
 - Attention (no profile in the Vidur copy, so it is derived, not fitted): FlashAttention-2 tiles the
   queries in blocks of 128 rows and streams K/V in blocks of 64-128 keys (Dao, "FlashAttention-2",
   2023, section 3.3); a chunk of q < 128 query rows leaves most of its tile idle and a short key range

@@ -1,7 +1,7 @@
 """Operator-level profile tables: what `phaselab simulate fit` reads.
 
 Two formats, both the Vidur project's (github.com/microsoft/vidur, MIT; a copy of the files the
-shipped GPU fits are made from is in phaselab/sim/data/vidur/ with its LICENSE and README):
+shipped GPU fits are made from is in phaselab/cost/data/vidur/ with its LICENSE and README):
 
 - compute, `mlp.csv`: one row per (model shape, tokens, TP degree) with the median time in ms of
   each operator of one transformer layer (`time_stats.<op>.median`) and the shape in trailing
@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 
 from phaselab.errors import ConfigError
-from phaselab.obs.modeled_cost import elementwise_elements_per_token
+from phaselab.cost.formulas import elementwise_elements_per_token
 from phaselab.modelinfo.model_config import ModelConfig
 
 DTYPE_BYTES = 2  # the profiles are fp16/bf16
@@ -63,7 +63,7 @@ def _shape_ops(row: dict[str, str]) -> dict[str, tuple[int, int] | int]:
     d = h // heads
     q, kv = heads * d // tp, max(1, kv_heads // tp) * d
     up = (2 if gated else 1) * i // tp
-    # the elementwise kernels' elements per token: phaselab.obs.modeled_cost's count for this row's shape
+    # the elementwise kernels' elements per token: phaselab.cost.formulas's count for this row's shape
     shape = ModelConfig(architecture="llama", vocab_size=1, hidden_size=h, intermediate_size=i, num_hidden_layers=1,
                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=d,
                         mlp_matrices=3 if gated else 2)
@@ -139,7 +139,7 @@ def vidur_files(device: str) -> dict[str, list[Path]]:
     if device not in VIDUR_COMPUTE:
         raise ConfigError(f"no packaged Vidur profiles for {device!r}; packaged: {', '.join(sorted(VIDUR_COMPUTE))}. "
                           "Pass your own tables: phaselab simulate fit --compute mlp.csv --all-reduce all_reduce.csv")
-    root = Path(str(resources.files("phaselab.sim").joinpath(VIDUR_DIR)))
+    root = Path(str(resources.files("phaselab.cost").joinpath(VIDUR_DIR)))
     return {"compute": [root / "compute" / device / m / "mlp.csv" for m in VIDUR_COMPUTE[device]],
             "all_reduce": [root / "network" / f"{device}_dgx" / "all_reduce.csv"],
             "send_recv": [root / "network" / f"{device}_dgx" / "send_recv.csv"]}

@@ -10,7 +10,7 @@
                  + max(sum_c F_att,c / (peak x e_att(q_c, k_c)), B_kv,p / (bandwidth x e_kv))   prefill chunks
                  + max(F_att,d / (peak x e_att(g, k_d)), B_kv,d / (bandwidth x e_kv x e_ctx(k_d)))  decodes
                  + 2 L x (latency_ar + 2 (tp-1)/tp x T h b / (link bandwidth x e_ar))   if tp > 1
-         every e in (0, 1], each curve monotone in its shape (phaselab/sim/efficiency.py):
+         every e in (0, 1], each curve monotone in its shape (phaselab/cost/efficiency.py):
          e_gemm(T) = e_max T / (T + T_half); e_att(q, k) = e_att q/(q + q_half) k/(k + k_half);
          e_ctx(k) = k / (k + k_ctx_half); g = heads / kv_heads (a decode's GQA query rows)
 
@@ -18,11 +18,11 @@ The roofline `max(compute / (peak x efficiency(shape)), bytes / (bandwidth x eff
 applied per operator class and the classes are summed: within each layer the projections and the
 attention run one after the other, and in a mixed (chunked) batch the projections can be
 compute-bound while the decodes' attention is bandwidth-bound. The counts (FLOPs, weight and KV
-bytes) are `phaselab.obs.modeled_cost`'s formulas (docs/metrics.md), the same ones the engine's records use.
+bytes) are `phaselab.cost.formulas`'s formulas (docs/metrics.md), the same ones the engine's records use.
 
 Every parameter carries its source (`CostParams.sources`): the GPU defaults are fits of Vidur's
-operator profiles (phaselab/sim/fit.py; attention assumed, said so), this CPU's a calibration on a
-run (phaselab/sim/calibrate.py), anything else "default: ...".
+operator profiles (phaselab/cost/profile_fit.py; attention assumed, said so), this CPU's a calibration on a
+run (phaselab/cost/record_fit.py), anything else "default: ...".
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from phaselab.core.outputs import SchedulerOutput
-from phaselab.core.timing import ModeledCost
+from phaselab.cost.catalog import HardwareSpec, LinkSpec
+from phaselab.cost.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
+                                      check_efficiency, gemm_efficiency, kv_read_efficiency)
+from phaselab.cost.formulas import (CostFormulas, ModeledCost, PlanCounts, StoredWeights,
+                                    elementwise_bytes_per_token_layer, keys_attended, plan_counts)
+from phaselab.cost.shapes import Plan
 from phaselab.errors import ConfigError
-from phaselab.obs.modeled_cost import (CostFormulas, PlanCounts, StoredWeights, elementwise_bytes_per_token_layer, keys_attended,
-                               plan_counts)
-from phaselab.sim.catalog import HardwareSpec, LinkSpec
-from phaselab.sim.efficiency import (ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF, attention_efficiency,
-                                     check_efficiency, gemm_efficiency, kv_read_efficiency)
 from phaselab.modelinfo.model_config import ModelConfig
 
 NS = 1_000_000_000
@@ -132,7 +131,7 @@ class CostParams:
         if name in ("attention_q_half", "attention_k_half", "attention_efficiency", "decode_attention_efficiency") \
                 and self.attention_q_half == ATTENTION_Q_HALF:
             return ("assumed: FlashAttention-2-style tiles (128 query rows, 128-key blocks), see "
-                    "phaselab/sim/efficiency.py; no attention profile in the Vidur data, not fitted")
+                    "phaselab/cost/efficiency.py; no attention profile in the Vidur data, not fitted")
         if name == "kv_context_half" and self.kv_context_half == KV_CONTEXT_HALF:
             return "assumed: a paged decode kernel needs ~100s of keys in flight per sequence; not fitted"
         if name == "elementwise_efficiency" and self.elementwise_efficiency is None:
@@ -184,7 +183,7 @@ DEFAULT_PARAMS: dict[str, CostParams] = {
 
 
 def default_params(hardware: HardwareSpec) -> CostParams:
-    """This CPU's placeholders; a GPU's fit shipped with the package (phaselab/sim/data/fits/, made by
+    """This CPU's placeholders; a GPU's fit shipped with the package (phaselab/cost/data/fits/, made by
     `phaselab simulate fit` from the Vidur operator profiles); else typical unfitted values."""
     if hardware.cost_params is not None:  # a device from a file that brings its own
         d = {k: v for k, v in hardware.cost_params.items() if k not in ("fit", "link", "hardware")}
@@ -192,7 +191,7 @@ def default_params(hardware: HardwareSpec) -> CostParams:
         return CostParams.from_json({**d, "sources": sources})
     if hardware.name in DEFAULT_PARAMS:
         return DEFAULT_PARAMS[hardware.name]
-    from phaselab.sim.fit import shipped_fit  # the fits import this module
+    from phaselab.cost.profile_fit import shipped_fit  # the fits import this module
 
     return shipped_fit(hardware.name) or CostParams()
 
@@ -264,10 +263,10 @@ class RooflineCostModel:
             self._ar_fixed = self._ar_per_token = 0.0
 
     def modeled_cost(self, c: PlanCounts) -> ModeledCost:
-        """The whole instance's modeled bytes and FLOPs (phaselab.obs.modeled_cost's formulas)."""
+        """The whole instance's modeled bytes and FLOPs (phaselab.cost.formulas's formulas)."""
         return self.formulas.of_counts(c)
 
-    def predict(self, plan: SchedulerOutput) -> IterationCost:
+    def predict(self, plan: Plan) -> IterationCost:
         return self.predict_counts(plan_counts(plan))
 
     def predict_counts(self, c: PlanCounts) -> IterationCost:

@@ -32,9 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from phaselab.core.outputs import ScheduledRequest, SchedulerOutput
-from phaselab.core.sampling_params import SamplingParams
-from phaselab.core.adaptive_budget import COEFFICIENT_NAMES, IterationCostCoefficients, plan_features
+from phaselab.cost.shapes import Plan
+from phaselab.cost.iteration_cost import COEFFICIENT_NAMES, IterationCostCoefficients, plan_features
 from phaselab.errors import ConfigError
 
 # nominal size of each regressor in one busy iteration: its coefficient in scaled units is "seconds
@@ -263,13 +262,13 @@ class BudgetLearner:
         return IterationCostCoefficients.from_tuple((c * f for c in self.coefficients.as_tuple()),
                                                     self.fitter.wide_rows)
 
-    def features(self, plan: SchedulerOutput) -> tuple[float, ...]:
+    def features(self, plan: Plan) -> tuple[float, ...]:
         return plan_features(plan.scheduled, self.fitter.wide_rows)
 
-    def predict(self, plan: SchedulerOutput) -> float:
+    def predict(self, plan: Plan) -> float:
         return self.coefficients.predict_features(self.features(plan))
 
-    def observe(self, plan: SchedulerOutput, measured_s: float) -> float:
+    def observe(self, plan: Plan, measured_s: float) -> float:
         """Learn from one executed plan; returns what the fitted model predicted for it beforehand."""
         features = self.features(plan)
         predicted = self.coefficients.predict_features(features)
@@ -335,20 +334,3 @@ def warm_up_shapes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len
         ([chunk(128, 256)], decodes(8, 256)), ([chunk(256, 0)], decodes(16, 512)),
     ]
     return [shape for shape in shapes if sum(n for n, _ in shape[0]) + len(shape[1]) <= budget]
-
-
-def shape_plan(iteration_id: int, chunks: Sequence[tuple[int, int]], decode_contexts: Sequence[int],
-               block_ids: Sequence[int], block_size: int) -> SchedulerOutput:
-    """A synthetic plan of the given shape over borrowed blocks (shared between its entries: only
-    the time is wanted, the K/V written are garbage). Decodes and chunk ends sample greedily."""
-    greedy = SamplingParams(temperature=0.0)
-    plan = SchedulerOutput(iteration_id=iteration_id)
-    entries = [(n, s, True) for n, s in chunks] + [(1, c - 1, False) for c in decode_contexts]
-    for i, (n, start, is_prefill) in enumerate(entries):
-        num_table = -(-(start + n) // block_size)
-        table = [block_ids[(i + j) % len(block_ids)] for j in range(num_table)]
-        plan.scheduled.append(ScheduledRequest(
-            request_id=f"warm-up-{iteration_id}-{i}", token_ids=[(7 * j + i) % 1000 + 1 for j in range(n)],
-            start_position=start, block_ids=table, new_block_ids=[], sample=True, is_prefill=is_prefill,
-            sampling_params=greedy))
-    return plan

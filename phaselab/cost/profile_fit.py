@@ -10,10 +10,10 @@ error), with every efficiency in (0, 1] and every fixed cost >= 0; several start
 peak, bandwidth and link bandwidth are the catalog's datasheet figures, so each efficiency is a
 fraction of the datasheet. The result is a `CostParams` whose every field says where it came
 from: "fitted on <tables> (N samples, |rel. error| p50 / p90)" or "assumed: ..." (attention, which
-has no profile in the Vidur data: phaselab/sim/efficiency.py).
+has no profile in the Vidur data: phaselab/cost/efficiency.py).
 
-The shipped A100 and H100 defaults (phaselab/sim/data/fits/) are this fit on the Vidur tables in
-phaselab/sim/data/vidur/ (`phaselab simulate fit --vidur a100 --out phaselab/sim/data/fits/a100.json`).
+The shipped A100 and H100 defaults (phaselab/cost/data/fits/) are this fit on the Vidur tables in
+phaselab/cost/data/vidur/ (`phaselab simulate fit --vidur a100 --out phaselab/cost/data/fits/a100.json`).
 """
 
 from __future__ import annotations
@@ -22,23 +22,24 @@ import json
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from scipy.optimize import least_squares
+from scipy.optimize import least_squares  # type: ignore[import-untyped]
 
 from phaselab.errors import ConfigError
-from phaselab.sim.catalog import HardwareSpec, LinkSpec
-from phaselab.sim.pricing import CostParams
-from phaselab.sim.efficiency import ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF
-from phaselab.sim.profiles import ELEMENTWISE_OPS, CollectiveSample, OpSample, read_collective_table, read_compute_table
+from phaselab.cost.catalog import HardwareSpec, LinkSpec
+from phaselab.cost.pricing import CostParams
+from phaselab.cost.efficiency import ATTENTION_K_HALF, ATTENTION_Q_HALF, KV_CONTEXT_HALF
+from phaselab.cost.profiles import ELEMENTWISE_OPS, CollectiveSample, OpSample, read_collective_table, read_compute_table
 
 # FlashAttention-2's forward efficiency by device (no attention profile in the Vidur copy): efficiency.py
 ATTENTION_EFFICIENCY = {
     "a100": (0.73, "assumed: FlashAttention-2 forward reaches 50-73% of peak on A100 (Dao 2023, abstract); "
-                   "shape curve in phaselab/sim/efficiency.py; not fitted (no attention profile)"),
+                   "shape curve in phaselab/cost/efficiency.py; not fitted (no attention profile)"),
     "h100": (0.35, "assumed: FlashAttention-2 reaches ~35% of peak on H100 (Shah et al. 2024, FlashAttention-3, "
-                   "abstract); shape curve in phaselab/sim/efficiency.py; not fitted (no attention profile)"),
+                   "abstract); shape curve in phaselab/cost/efficiency.py; not fitted (no attention profile)"),
 }
 ENGINE_OVERHEADS = (  # per iteration and per request: the engine's CPU work, not in any operator profile
     1e-3, 5e-6, "assumed: a GPU engine's scheduling, input preparation and sampling per iteration (CUDA "
@@ -74,8 +75,9 @@ class TermFit:
                 f"p50 {np.percentile(e, 50):.1%}, p90 {np.percentile(e, 90):.1%})")
 
 
-def _solve(residual, x0s: list[list[float]], lower: list[float], upper: list[float]) -> np.ndarray:
-    best, best_cost = None, np.inf
+def _solve(residual: Callable[[np.ndarray], np.ndarray], x0s: list[list[float]], lower: list[float], upper: list[float]) -> np.ndarray:
+    best: np.ndarray | None = None
+    best_cost = np.inf
     for x0 in x0s:
         x0 = np.clip(np.asarray(x0, float), np.asarray(lower) + 1e-12, np.asarray(upper) - 1e-12)
         r = least_squares(residual, x0, bounds=(lower, upper), x_scale="jac", xtol=1e-12, ftol=1e-12, gtol=1e-12,
@@ -83,14 +85,14 @@ def _solve(residual, x0s: list[list[float]], lower: list[float], upper: list[flo
         if r.cost < best_cost:
             best, best_cost = r.x, r.cost
     assert best is not None
-    return best
+    return np.asarray(best, dtype=float)
 
 
 def gemm_time(x: np.ndarray, flops: np.ndarray, nbytes: np.ndarray, tokens: np.ndarray, peak: float,
               bw: float) -> np.ndarray:
     e_max, rows_half, e_mem, o = x
     compute = flops * (tokens + rows_half) / tokens / (peak * e_max)
-    return o + np.maximum(compute, nbytes / (bw * e_mem))
+    return np.asarray(o + np.maximum(compute, nbytes / (bw * e_mem)), dtype=float)
 
 
 def fit_gemms(samples: list[OpSample], hw: HardwareSpec) -> TermFit:
@@ -119,7 +121,7 @@ def fit_elementwise(samples: list[OpSample], hw: HardwareSpec) -> TermFit:
     bw = hw.mem_bandwidth
 
     def pred(x: np.ndarray) -> np.ndarray:
-        return x[1:][col] + b / (bw * x[0])
+        return np.asarray(x[1:][col] + b / (bw * x[0]), dtype=float)
 
     k = len(ops)
     x = _solve(lambda x: np.log(pred(x) / y), [[0.5] + [5e-6] * k, [0.9] + [1e-6] * k, [0.2] + [2e-5] * k],
@@ -139,7 +141,7 @@ def fit_link(samples: list[CollectiveSample], link: LinkSpec, op: str) -> TermFi
     factor = 2 * (n - 1) / n if op == "all_reduce" else np.ones_like(n)
 
     def pred(x: np.ndarray) -> np.ndarray:
-        return x[1] + factor * size / (link.bandwidth * x[0])
+        return np.asarray(x[1] + factor * size / (link.bandwidth * x[0]), dtype=float)
 
     x = _solve(lambda x: np.log(pred(x) / y), [[0.7, 2e-5], [0.3, 5e-6], [0.95, 5e-5]], [1e-3, 0.0], [1.0, 1e-2])
     rel = pred(x) / y - 1
@@ -187,14 +189,14 @@ def fit_device(hw: HardwareSpec, link: LinkSpec | None, compute: list[Path], all
         sr = [s for p in send_recv for s in read_collective_table(p)]
         if sr:
             terms["send_recv"] = fit_link(sr, link, "send_recv")
-    g = terms["gemm"]
-    src_g = g.describe()
+    gemm = terms["gemm"]
+    src_g = gemm.describe()
     att, att_src = ATTENTION_EFFICIENCY.get(hw.name, (0.5, "assumed: FlashAttention-style, no device figure; "
                                                             "not fitted"))
     o_iter, o_req, o_src = ENGINE_OVERHEADS
     values: dict[str, Any] = {
-        "compute_efficiency": g.values["compute_efficiency"], "rows_half": g.values["rows_half"],
-        "memory_efficiency": g.values["memory_efficiency"], "kv_memory_efficiency": g.values["memory_efficiency"],
+        "compute_efficiency": gemm.values["compute_efficiency"], "rows_half": gemm.values["rows_half"],
+        "memory_efficiency": gemm.values["memory_efficiency"], "kv_memory_efficiency": gemm.values["memory_efficiency"],
         "attention_efficiency": att, "decode_attention_efficiency": att,
         "attention_q_half": ATTENTION_Q_HALF, "attention_k_half": ATTENTION_K_HALF,
         "kv_context_half": KV_CONTEXT_HALF, "iteration_overhead_s": o_iter, "request_overhead_s": o_req,
@@ -209,8 +211,8 @@ def fit_device(hw: HardwareSpec, link: LinkSpec | None, compute: list[Path], all
     sources["token_overhead_s"] = "default: 0, every per-token cost is a roofline term"
     # per layer: 4 GEMM launches, the 6 elementwise kernels (2 norms, RoPE, activation, 2 adds), and the two
     # attention calls (prefill, decode) priced as one more GEMM launch each
-    elem = terms["elementwise"].values["fixed_s_per_layer"] if "elementwise" in terms else 6 * g.values["gemm_fixed_s"]
-    values["layer_overhead_s"] = 6 * g.values["gemm_fixed_s"] + elem
+    elem = terms["elementwise"].values["fixed_s_per_layer"] if "elementwise" in terms else 6 * gemm.values["gemm_fixed_s"]
+    values["layer_overhead_s"] = 6 * gemm.values["gemm_fixed_s"] + elem
     sources["layer_overhead_s"] = ("fitted: 6 x the GEMMs' fixed time (4 projections, 2 attention calls) + the "
                                    "elementwise kernels' fixed times, from the same tables")
     if "elementwise" in terms:
@@ -236,7 +238,7 @@ FIT_ALIASES = {"h200": ("h100", "the H100's fit (same compute; efficiencies are 
 
 
 def _fit_path(name: str) -> Path:
-    return Path(str(resources.files("phaselab.sim").joinpath(FITS_DIR, f"{name}.json")))
+    return Path(str(resources.files("phaselab.cost").joinpath(FITS_DIR, f"{name}.json")))
 
 
 def load_fit_json(name: str) -> dict[str, Any] | None:
@@ -244,7 +246,8 @@ def load_fit_json(name: str) -> dict[str, Any] | None:
     if not path.exists():
         return None
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        d = json.load(f)
+    return d if isinstance(d, dict) else None
 
 
 def shipped_fit(hardware_name: str) -> CostParams | None:
@@ -264,7 +267,8 @@ def shipped_link_fit(link_name: str) -> dict[str, Any] | None:
     for name in ("a100", "h100"):
         d = load_fit_json(name)
         if d and d.get("link") and d["link"]["name"] == link_name:
-            return d["link"]
+            link: dict[str, Any] = d["link"]
+            return link
     return None
 
 
@@ -286,8 +290,8 @@ def add_fit_parser(sub: Any) -> None:
 
 
 def run_fit(ns: Any) -> int:
-    from phaselab.sim.catalog import get_hardware, get_link
-    from phaselab.sim.profiles import vidur_files
+    from phaselab.cost.catalog import get_hardware, get_link
+    from phaselab.cost.profiles import vidur_files
 
     files: dict[str, list[Path]] = {"compute": [Path(p) for p in ns.compute],
                                     "all_reduce": [Path(p) for p in ns.all_reduce],
