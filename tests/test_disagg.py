@@ -195,7 +195,8 @@ def test_in_process_workers_forget_every_request(tmp_path):
     from phaselab.engine_args import EngineArgs
     from phaselab.disagg import DisaggConfig
     from phaselab.disagg.messages import FailureEvent, WorkerRequest, TokenEvent, TransferSpec
-    from phaselab.disagg.worker import DisaggWorker, _Lease, _Progress, _Staged
+    from phaselab.disagg.kv_handoff import KVLease, StagedKV
+    from phaselab.disagg.worker import DisaggWorker, _Progress
     from tests._loader_helpers import random_weights, tiny_hf_config, write_hf_dir
 
     config = tiny_hf_config()
@@ -257,7 +258,7 @@ def test_in_process_workers_forget_every_request(tmp_path):
         assert time.monotonic() < deadline, (prefill.held(), decode.held())
         time.sleep(0.02)
     gc.collect()
-    assert [o for o in gc.get_objects() if isinstance(o, (_Progress, _Lease, _Staged))] == []
+    assert [o for o in gc.get_objects() if isinstance(o, (_Progress, KVLease, StagedKV))] == []
     for w in (prefill, decode):
         assert w.stats().num_blocks_used == 0
         w.check_invariants()

@@ -31,3 +31,19 @@ def test_counts_agree_with_wc() -> None:
     wc = subprocess.run(["wc", "-l", *files], capture_output=True, text=True, check=True).stdout.splitlines()
     total_wc = int(wc[-1].split()[0])
     assert sum(r[2] for r in lc.count()) == total_wc
+
+
+MODULE_CAP = 500  # README: "no module may exceed 500 lines" (issue 33: split by seams, not at the cap)
+
+
+def test_no_module_exceeds_the_cap() -> None:
+    """Counted as `wc -l` counts, independently of the script: every module under phaselab/ stays
+    within the cap the README states."""
+    assert f"no module may exceed {MODULE_CAP} lines" in (ROOT / "README.md").read_text(encoding="utf-8")
+    over = {}
+    for p in sorted((ROOT / "phaselab").rglob("*.py")):
+        with open(p, "rb") as f:
+            n = f.read().count(b"\n")
+        if n > MODULE_CAP:
+            over[str(p.relative_to(ROOT))] = n
+    assert not over, f"modules over {MODULE_CAP} lines (split them at a seam, docs/design.md): {over}"

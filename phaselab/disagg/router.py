@@ -33,70 +33,28 @@ import logging
 import os
 import platform
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from phaselab.engine_args import EngineArgs
-from phaselab.core.outputs import EngineStats, TokenLogprobs
+from phaselab.core.outputs import EngineStats
 from phaselab.core.prompt import validate_prompt
 from phaselab.core.recorder import PhaseRecorder
-from phaselab.core.routing import RoutingPolicy, WorkerLoad, make_routing_policy
+from phaselab.core.routing import RoutingPolicy, make_routing_policy
 from phaselab.core.sampling_params import SamplingParams
 from phaselab.core.timing import IterationRecord, RequestMetrics
 from phaselab.disagg.disagg_config import DisaggConfig
-from phaselab.disagg.connector import KVSource
 from phaselab.disagg.disagg_metrics import MergedEngineMetrics, RouterMetrics
-from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
-from phaselab.disagg.messages import (
-    AdmittedEvent,
-    FailureEvent,
-    WorkerRequest,
-    TokenEvent,
-    TransferEvent,
-    TransferSpec,
-    WorkerReport,
-)
+from phaselab.disagg.messages import AdmittedEvent, FailureEvent, TokenEvent, TransferEvent, WorkerReport
+from phaselab.disagg.placement import Placement, RoutedRequest
 from phaselab.disagg.pool import describe_workers, ensure_ray, handshake_workers, start_workers
 from phaselab.disagg.process import WorkerHandle, boot_id, checkpoint_to_wire
+from phaselab.disagg.record import merge_transfer, merge_worker_tokens, observe_router_record, shift_iteration
 from phaselab.engine.request_output import CompletionOutput, RequestOutput
 from phaselab.errors import InvalidRequestError
 from phaselab.obs.prometheus import EngineMetrics
 from phaselab.obs.rundir import write_run_dir
 
 logger = logging.getLogger("phaselab.disagg")
-
-
-
-@dataclass
-class _Request:
-    """The router's state of one request."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
-    metrics: RequestMetrics
-    deadline_ns: int | None
-    output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprobs] | None = None
-    phase: str = "prefill"  # "prefill" | "decode" | "finished"
-    prefill_worker: str | None = None
-    decode_worker: str | None = None
-    kv: KVSource | None = None  # its KV, leased on a prefill worker, until a decode worker acked it
-    loads: dict[str, int] = field(default_factory=dict)  # worker -> tokens counted in its WorkerLoad
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    dirty: bool = False
-    num_reprefills: int = 0
-    num_reroutes: int = 0
-    attempt: int = 0  # a new one at every routing (DisaggEngine._next_attempt); workers tag their events with it
-    sampler_state: bytes | None = None  # random generator after the prefill's draw (travels with the KV)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class DisaggEngine:
@@ -134,9 +92,8 @@ class DisaggEngine:
         # keep_records (a server without --record) closed records and iterations are only observed
         self.recorder = PhaseRecorder("router", "router", keep=keep_records,
                                       on_finished=lambda m: observe_router_record(self.metrics, self.router_metrics, m))
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RoutedRequest] = {}
         self._next_id = 0
-        self._attempt_seq = 0
         self._boot_id = boot_id()
 
         from phaselab.modelinfo.bundled import default_model_path
@@ -157,7 +114,7 @@ class DisaggEngine:
         except BaseException:
             self.shutdown()
             raise
-        self.loads = {name: WorkerLoad(name, w.role) for name, w in self.workers.items()}
+        self.placement = Placement(self.workers)  # which worker holds each request, their loads
         infos = [w.info for w in self.workers.values() if w.info is not None]
         self.max_model_len = min(i.max_model_len for i in infos)
         self.vocab_size = infos[0].vocab_size
@@ -197,14 +154,14 @@ class DisaggEngine:
         m = self.recorder.open(rid, len(ids), arrived_ns=arrived_ns, tokenized_ns=tokenized_ns, queued_ns=None,
                                worker="")
         timeout = self.config.request_timeout_s
-        r = _Request(rid, ids, params, prompt if isinstance(prompt, str) else prompt_text, m,
-                     None if timeout is None else arrived_ns + int(timeout * 1e9),
-                     logprobs=[] if params.logprobs is not None else None)
+        r = RoutedRequest(rid, ids, params, prompt if isinstance(prompt, str) else prompt_text, m,
+                          None if timeout is None else arrived_ns + int(timeout * 1e9),
+                          logprobs=[] if params.logprobs is not None else None)
         self._requests[rid] = r
         self._to_prefill(r, cause=None)
         return rid
 
-    def tracked(self, request_id: str) -> _Request | None:
+    def tracked(self, request_id: str) -> RoutedRequest | None:
         return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -216,7 +173,7 @@ class DisaggEngine:
             r = self._requests.get(rid)
             if r is None or r.phase == "finished":
                 continue
-            self._release(r)
+            self.placement.release(r)
             r.finish_reason = "abort"
             r.phase = "finished"
             out = self._output(r)
@@ -264,7 +221,7 @@ class DisaggEngine:
         /health 503 and refuses new work with it, before any prefill is spent."""
         for role in ("prefill", "decode"):
             if not any(w.alive for w in self.workers.values() if w.role == role):
-                return f"no live {role} worker ({self._deaths(role)})"
+                return f"no live {role} worker ({self.placement.deaths(role)})"
         return None
 
     def heartbeat(self) -> None:
@@ -332,7 +289,7 @@ class DisaggEngine:
             r = self._requests.get(ev.request_id)
             if isinstance(ev, TokenEvent):
                 self._on_tokens(w, r, ev)
-            elif r is None or not self._is_current(r, w, ev.attempt):
+            elif r is None or not r.is_current(w, ev.attempt):
                 continue
             elif isinstance(ev, TransferEvent):
                 self._on_transfer(w, r, ev)
@@ -341,19 +298,13 @@ class DisaggEngine:
             elif isinstance(ev, FailureEvent):
                 self._on_failure(w, r, ev)
 
-    @staticmethod
-    def _is_current(r: _Request, w: WorkerHandle, attempt: int) -> bool:
-        """An event about the request's current routing (not a stale one from an earlier attempt)."""
-        where = r.prefill_worker if r.phase == "prefill" else r.decode_worker if r.phase == "decode" else None
-        return attempt == r.attempt and where == w.name and r.phase == w.role
-
-    def _on_tokens(self, w: WorkerHandle, r: _Request | None, ev: TokenEvent) -> None:
-        if r is None or not self._is_current(r, w, ev.attempt):
+    def _on_tokens(self, w: WorkerHandle, r: RoutedRequest | None, ev: TokenEvent) -> None:
+        if r is None or not r.is_current(w, ev.attempt):
             if ev.kv is not None:  # a stale prefill (re-routed meanwhile): free its KV there
                 w.actor.release_kv.remote(ev.request_id, "released", ev.kv.attempt)
             return
         if w.role == "prefill":
-            self._unload(r, w.name)
+            self.placement.unload(r, w.name)
         merge_worker_tokens(r.metrics, w.name, w.role, w.clock_offset_ns, ev.record, ev.sampled_ns, ev.iteration_ids)
         r.output_token_ids += ev.new_token_ids
         r.text = ev.text
@@ -366,7 +317,7 @@ class DisaggEngine:
             r.kv, r.sampler_state = ev.kv, ev.sampler_state
             self._to_decode(r)
 
-    def _on_transfer(self, w: WorkerHandle, r: _Request, ev: TransferEvent) -> None:
+    def _on_transfer(self, w: WorkerHandle, r: RoutedRequest, ev: TransferEvent) -> None:
         src = r.kv
         export_start_ns = None
         if src is not None and src.export_start_ns is not None:
@@ -374,69 +325,40 @@ class DisaggEngine:
         merge_transfer(r.metrics, ev, w.clock_offset_ns, export_start_ns)
         r.kv = None  # acknowledged: the prefill worker frees it, the decode worker holds it now
 
-    def _on_failure(self, w: WorkerHandle, r: _Request, ev: FailureEvent) -> None:
-        self._unload(r, w.name)
+    def _on_failure(self, w: WorkerHandle, r: RoutedRequest, ev: FailureEvent) -> None:
+        self.placement.unload(r, w.name)
         if ev.kv_lost:
             r.kv = None
             self._kv_lost(r, f"{ev.message}", cause=ev.kind)
         else:
             self._fail(r, f"request {r.request_id!r} failed on {w.name}: {ev.message}", cause=ev.kind)
 
-    # -- routing ------------------------------------------------------------------------------------------------
-    def _candidates(self, role: str) -> list[WorkerLoad]:
-        return [self.loads[n] for n, w in self.workers.items() if w.role == role]
-
-    def _load(self, r: _Request, worker: str, num_tokens: int) -> None:
-        self.loads[worker].add(num_tokens)
-        r.loads[worker] = num_tokens
-
-    def _unload(self, r: _Request, worker: str | None) -> None:
-        if worker is not None and worker in r.loads:
-            self.loads[worker].remove(r.loads.pop(worker))
-
-    def _to_prefill(self, r: _Request, cause: str | None) -> None:
-        name = self.prefill_policy.pick(self._candidates("prefill"), r.num_tokens)
+    # -- routing (placement.py) ----------------------------------------------------------------------------
+    def _to_prefill(self, r: RoutedRequest, cause: str | None) -> None:
+        name = self.placement.pick(self.prefill_policy, "prefill", r)
         if name is None:
             why = "" if cause is None else f" (it was being recomputed: {cause})"
             self._fail(r, f"request {r.request_id!r}: no prefill worker is alive{why}; "
-                          f"{self._deaths('prefill')}", cause="no_prefill_worker")
+                          f"{self.placement.deaths('prefill')}", cause="no_prefill_worker")
             return
         if cause is not None:
             self.router_metrics.reprefills.labels(cause=cause).inc()
             r.num_reprefills += 1
-        r.phase, r.prefill_worker, r.decode_worker, r.kv = "prefill", name, None, None
-        r.attempt = self._next_attempt()
-        self._load(r, name, r.num_tokens)
-        w = self.workers[name]
-        w.actor.add_request.remote(WorkerRequest(
-            r.request_id, r.prompt_token_ids, r.params, r.metrics.arrived_ns + w.clock_offset_ns,
-            list(r.output_token_ids), r.attempt))
+        self.placement.to_prefill(r, name)
 
-    def _to_decode(self, r: _Request, reroute: bool = False) -> None:
+    def _to_decode(self, r: RoutedRequest, reroute: bool = False) -> None:
         assert r.kv is not None
-        name = self.decode_policy.pick(self._candidates("decode"), r.num_tokens)
+        name = self.placement.pick(self.decode_policy, "decode", r)
         if name is None:
             self._fail(r, f"request {r.request_id!r}: no decode worker is alive to continue it after its first "
-                          f"token; {self._deaths('decode')}", cause="no_decode_worker")
+                          f"token; {self.placement.deaths('decode')}", cause="no_decode_worker")
             return
         if reroute:
             self.router_metrics.reroutes.inc()
             r.num_reroutes += 1
-        r.phase, r.decode_worker = "decode", name
-        r.attempt = self._next_attempt()
-        self._load(r, name, r.num_tokens)
-        w = self.workers[name]
-        w.actor.admit.remote(TransferSpec(
-            r.request_id, r.prompt_token_ids, list(r.output_token_ids), r.params, r.kv,
-            r.metrics.arrived_ns + w.clock_offset_ns, r.attempt, r.sampler_state))
+        self.placement.to_decode(r, name)
 
-    def _next_attempt(self) -> int:
-        """Attempt numbers increase over the router's life (not per request): a worker can tell a
-        stale message from a new one even when a request id is reused."""
-        self._attempt_seq += 1
-        return self._attempt_seq
-
-    def _kv_lost(self, r: _Request, why: str, cause: str) -> None:
+    def _kv_lost(self, r: RoutedRequest, why: str, cause: str) -> None:
         if self.config.recover_lost_kv:
             logger.warning("request %s: %s; prefilling it again", r.request_id, why)
             self._to_prefill(r, cause=cause)
@@ -445,16 +367,11 @@ class DisaggEngine:
                        cause=cause)
 
     # -- failures --------------------------------------------------------------------------------------------------
-    def _deaths(self, role: str) -> str:
-        dead = [f"{w.name} ({w.death})" for w in self.workers.values() if w.role == role and not w.alive]
-        total = sum(1 for w in self.workers.values() if w.role == role)
-        return f"{len(dead)} of {total} {role} workers are dead: " + "; ".join(dead) if dead else f"{total} configured"
-
     def _worker_died(self, w: WorkerHandle, why: str) -> None:
         if not w.alive:
             return
         w.alive, w.death, w.poll_ref = False, why, None
-        self.loads[w.name].alive = False
+        self.placement.loads[w.name].alive = False
         try:  # a worker whose loop failed may still be running: make sure it is gone
             import ray
 
@@ -467,17 +384,17 @@ class DisaggEngine:
             if r.phase == "finished":
                 continue
             if w.role == "prefill" and r.phase == "prefill" and r.prefill_worker == w.name:
-                self._unload(r, w.name)
+                self.placement.unload(r, w.name)
                 self._to_prefill(r, cause="prefill_worker_died")
             elif w.role == "prefill" and r.phase == "decode" and r.kv is not None and r.kv.worker == w.name:
                 # its KV was leased there and not yet acknowledged: the decode worker's fetch fails
                 # (or already failed) and reports it; tell it now rather than after a timeout
-                self._abort_on(r, r.decode_worker)
-                self._unload(r, r.decode_worker)
+                self.placement.abort_on(r, r.decode_worker)
+                self.placement.unload(r, r.decode_worker)
                 r.kv = None
                 self._kv_lost(r, f"prefill worker {w.name} died before the KV transfer", cause="prefill_worker_died")
             elif w.role == "decode" and r.phase == "decode" and r.decode_worker == w.name:
-                self._unload(r, w.name)
+                self.placement.unload(r, w.name)
                 src = self.workers.get(r.kv.worker) if r.kv is not None else None
                 if src is not None and src.alive:
                     logger.warning("request %s: decode worker %s died before the transfer completed; %s still "
@@ -486,34 +403,15 @@ class DisaggEngine:
                 else:
                     self._kv_lost(r, f"decode worker {w.name} died ({why}) after the transfer", cause="decode_worker_died")
 
-    def _fail(self, r: _Request, message: str, cause: str) -> None:
+    def _fail(self, r: RoutedRequest, message: str, cause: str) -> None:
         logger.error("%s", message)
         self.router_metrics.request_failures.labels(cause=cause).inc()
-        self._release(r)
+        self.placement.release(r)
         r.finish_reason, r.error, r.phase, r.dirty = "error", message, "finished", True
 
-    def _finish(self, r: _Request, reason: str, stop_reason: int | str | None) -> None:
+    def _finish(self, r: RoutedRequest, reason: str, stop_reason: int | str | None) -> None:
         r.finish_reason, r.stop_reason, r.phase = reason, stop_reason, "finished"  # its worker ended it: no abort
-        self._release(r)
-
-    def _release(self, r: _Request) -> None:
-        """Leave no state on any worker: free a lease, abort where it runs, drop its loads."""
-        if r.kv is not None:
-            src = self.workers.get(r.kv.worker)
-            if src is not None and src.alive:
-                src.actor.release_kv.remote(r.request_id, "released", r.kv.attempt)
-            r.kv = None
-        if r.phase == "prefill":
-            self._abort_on(r, r.prefill_worker)
-        elif r.phase == "decode":
-            self._abort_on(r, r.decode_worker)
-        for worker in list(r.loads):
-            self._unload(r, worker)
-
-    def _abort_on(self, r: _Request, worker: str | None) -> None:
-        w = self.workers.get(worker) if worker else None
-        if w is not None and w.alive:
-            w.actor.abort.remote([r.request_id], r.attempt)
+        self.placement.release(r)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic_ns()
@@ -523,7 +421,7 @@ class DisaggEngine:
                               f"{self.config.request_timeout_s:g} s (it was in {r.phase})", cause="timeout")
 
     # -- outputs and records -----------------------------------------------------------------------------------------
-    def _output(self, r: _Request) -> RequestOutput:
+    def _output(self, r: RoutedRequest) -> RequestOutput:
         c = CompletionOutput(index=0, text=r.text, token_ids=list(r.output_token_ids), finish_reason=r.finish_reason,
                              stop_reason=r.stop_reason, logprobs=list(r.logprobs) if r.logprobs is not None else None,
                              error=r.error)
@@ -531,7 +429,7 @@ class DisaggEngine:
                              outputs=[c], finished=r.phase == "finished", metrics=r.metrics,
                              num_cached_tokens=r.metrics.num_cached_tokens)
 
-    def _close(self, r: _Request, finished_ns: int | None) -> None:
+    def _close(self, r: RoutedRequest, finished_ns: int | None) -> None:
         self._requests.pop(r.request_id, None)
         self.recorder.finish(r.request_id, r.finish_reason, len(r.output_token_ids), finished_ns, error=r.error)
 

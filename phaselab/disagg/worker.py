@@ -23,6 +23,9 @@ staged requests in order once their blocks can be allocated (`LLMEngine.add_pref
 decode admitted); until then the request waits: that is backpressure, recorded as the decode
 admission wait, bounded by `decode_admission_timeout_s`.
 
+The bookkeeping of both hand-off sides (leases, the staged KV, cancelled transfers, the newest
+routing attempt per request) is kv_handoff.py's; this module drives it, the engine and the events.
+
 Thread settings: the actor is started with OMP_NUM_THREADS / OMP_WAIT_POLICY=PASSIVE in its
 runtime_env, so OpenMP reads them before torch loads (docs/design.md, "Threads on a small machine").
 """
@@ -37,7 +40,6 @@ import threading
 import time
 import traceback
 from collections import Counter as Tally
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +57,7 @@ from phaselab.disagg.connector import (
     pack,
 )
 from phaselab.disagg.disagg_metrics import WorkerPrometheus
+from phaselab.disagg.kv_handoff import KVInbox, KVLease, KVLeases, StagedKV
 from phaselab.disagg.process import boot_id, checkpoint_from_wire, current_actor
 from phaselab.disagg.messages import (
     AdmittedEvent,
@@ -70,28 +73,6 @@ from phaselab.disagg.messages import (
 from phaselab.errors import InvalidRequestError
 
 ROLES = ("prefill", "decode")
-
-
-@dataclass
-class _Lease:
-    request_id: str
-    block_ids: list[int] | None  # held blocks (ray-actor), None once copied out (ray-object-store)
-    handle: Any
-    expires_ns: int
-    attempt: int = 0
-    readers: int = 0
-    ended: bool = False
-    reason: str = ""
-
-
-@dataclass
-class _Staged:
-    spec: TransferSpec
-    kv: Any  # torch.Tensor
-    queued_ns: int
-    start_ns: int
-    end_ns: int
-    num_bytes: int
 
 
 @dataclass
@@ -131,17 +112,10 @@ class DisaggWorker:
         self._fatal: str | None = None
         self._stop = threading.Event()
         self._progress: dict[str, _Progress] = {}
-        self._attempts: dict[str, int] = {}  # the newest routing attempt seen per request
-        # prefill side
-        self._leases: dict[str, _Lease] = {}
-        self._lease_lock = threading.Lock()
-        # decode side
+        self._leases = KVLeases()  # prefill: the KV of parked requests, held for pickup
+        # decode: transfers in the pipeline, staged KV; both: the newest routing attempt per request
+        self._inbox = KVInbox()
         self._transfer_q: queue.Queue[tuple[TransferSpec, int] | None] = queue.Queue()
-        self._staged: deque[_Staged] = deque()
-        self._staged_cv = threading.Condition()
-        self._staged_bytes = 0
-        self._cancelled: set[tuple[str, int]] = set()  # (request, attempt) aborted on this decode worker
-        self._in_transfer: set[tuple[str, int]] = set()  # admitted, not yet in the engine nor dropped
         self._prom = WorkerPrometheus(name, role)
         self._loop_thread = threading.Thread(target=self._loop, name=f"{name}-loop", daemon=True)
         self._loop_thread.start()
@@ -166,24 +140,15 @@ class DisaggWorker:
 
     def admit(self, spec: TransferSpec) -> None:
         assert self.role == "decode"
-        self._note_attempt(spec.request_id, spec.attempt)
-        with self._staged_cv:
-            self._in_transfer.add((spec.request_id, spec.attempt))
+        self._inbox.note_attempt(spec.request_id, spec.attempt)
+        self._inbox.enter_transfer((spec.request_id, spec.attempt))
         self._transfer_q.put((spec, time.monotonic_ns()))
 
     def abort(self, request_ids: list[str], attempt: int) -> None:
         """Abort these requests' `attempt` here (an abort of an older attempt than the newest this
         worker has seen is stale and ignored: Ray may deliver calls of a threaded actor out of order)."""
         if self.role == "decode":
-            with self._staged_cv:
-                # only a transfer still in the pipeline needs the mark (it is dropped there, and its
-                # mark with it); an abort that overtook its admit (Ray may reorder calls of a threaded
-                # actor) is marked too, and such marks are bounded
-                if len(self._cancelled) > 10_000:
-                    self._cancelled = {key for key in self._cancelled if key in self._in_transfer}
-                self._cancelled.update((rid, attempt) for rid in request_ids
-                                       if (rid, attempt) in self._in_transfer or self._attempts.get(rid, -1) < attempt)
-                self._staged_cv.notify_all()
+            self._inbox.cancel(request_ids, attempt)
         self._commands.put(lambda: self._abort(request_ids, attempt))
 
     def release_kv(self, request_id: str, reason: str = "released", attempt: int | None = None) -> None:
@@ -191,21 +156,16 @@ class DisaggWorker:
 
     def read_kv(self, request_id: str, attempt: int | None = None) -> Any:
         """The KV of a parked request as bytes (ray-actor transport). Pins the lease meanwhile."""
-        with self._lease_lock:
-            lease = self._leases.get(request_id)
-            if lease is not None and attempt is not None and lease.attempt != attempt:
-                lease = None
-            if lease is None or lease.ended or lease.block_ids is None:
-                raise KVUnavailableError(
-                    f"{self.name} holds no KV of request {request_id!r} any more (its lease ended: acknowledged, "
-                    f"released, or expired after kv_lease_timeout_s={self.config.kv_lease_timeout_s:g} s)")
-            lease.readers += 1
+        lease = self._leases.pin(request_id, attempt)
+        if lease is None:
+            raise KVUnavailableError(
+                f"{self.name} holds no KV of request {request_id!r} any more (its lease ended: acknowledged, "
+                f"released, or expired after kv_lease_timeout_s={self.config.kv_lease_timeout_s:g} s)")
         try:
             self.counters["kv_reads"] += 1
             return pack(self.engine.executor.read_blocks(lease.block_ids))  # type: ignore[attr-defined]
         finally:
-            with self._lease_lock:
-                lease.readers -= 1
+            self._leases.unpin(lease)
             self._commands.put(self._settle_leases)
 
     def poll(self, timeout_s: float) -> WorkerReport:
@@ -229,7 +189,7 @@ class DisaggWorker:
             name=self.name, role=self.role, now_ns=time.monotonic_ns(), started_ns=self.started_ns,
             busy_ns=self.busy_ns, num_iterations=sched.iteration_id + 1, num_running=sched.num_running,
             num_waiting=sched.num_waiting, num_parked=len(self._leases), num_transfer_queue=self._transfer_q.qsize(),
-            num_staged=len(self._staged), num_blocks_used=pool.num_used_blocks, num_blocks_total=pool.num_blocks,
+            num_staged=len(self._inbox.staged), num_blocks_used=pool.num_used_blocks, num_blocks_total=pool.num_blocks,
             counters=dict(self.counters))
         self._prom.set_stats(s)
         return s
@@ -243,10 +203,10 @@ class DisaggWorker:
         """Per-request state this worker still holds (a leak check: all 0 once every request it saw
         finished, failed or was aborted, and the loop ran a step since; benchmarks/soak.py)."""
         eng = self.engine
-        with self._staged_cv:
-            attempts, cancelled = len(self._attempts), len(self._cancelled)
+        with self._inbox.cv:
+            attempts, cancelled = len(self._inbox.attempts), len(self._inbox.cancelled)
         return {"progress": len(self._progress), "attempts": attempts, "leases": len(self._leases),
-                "staged": len(self._staged), "cancelled": cancelled, "engine_tracked": len(eng._tracked),
+                "staged": len(self._inbox.staged), "cancelled": cancelled, "engine_tracked": len(eng._tracked),
                 "scheduler_requests": len(eng.scheduler.requests),
                 "kv_tables": len(eng.scheduler.kv_cache_manager.req_to_blocks),
                 "sampler_generators": eng.executor.sampler.num_generators,  # type: ignore[attr-defined]
@@ -284,33 +244,12 @@ class DisaggWorker:
         self._transfer_q.put(None)
         self._commands.put(lambda: None)
 
-    def _note_attempt(self, rid: str, attempt: int) -> None:
-        with self._staged_cv:
-            self._attempts[rid] = max(attempt, self._attempts.get(rid, attempt))
-
-    def _forget(self, rid: str, attempt: int) -> None:
-        """`attempt` of the request is over on this worker (finished, failed, aborted): forget it
-        unless a newer attempt arrived meanwhile (else one entry per request, forever)."""
-        with self._staged_cv:
-            if self._attempts.get(rid, attempt) <= attempt:
-                self._attempts.pop(rid, None)
-
-    def _leave_transfer(self, key: tuple[str, int]) -> None:
-        """Decode, under _staged_cv: a transfer left the pipeline (dropped, failed, or handed to the
-        engine); a cancelled one is over here."""
-        self._in_transfer.discard(key)
-        if key in self._cancelled:
-            self._cancelled.discard(key)
-            rid, attempt = key
-            if self._attempts.get(rid, attempt) <= attempt:
-                self._attempts.pop(rid, None)
-
     # -- the loop thread -----------------------------------------------------------------------------------
     def _loop(self) -> None:
         sched = self.engine.scheduler
         try:
             while not self._stop.is_set():
-                idle = not sched.has_schedulable_requests() and not self._staged
+                idle = not sched.has_schedulable_requests() and not self._inbox.staged
                 self._apply_commands(self.config.poll_interval_s if idle else 0.0)
                 if self.role == "prefill":
                     self._expire_leases()
@@ -346,7 +285,7 @@ class DisaggWorker:
     # prefill side ------------------------------------------------------------------------------------------
     def _add(self, spec: WorkerRequest, received_ns: int) -> None:
         rid = spec.request_id
-        self._note_attempt(rid, spec.attempt)
+        self._inbox.note_attempt(rid, spec.attempt)
         if rid in self._leases:  # a re-prefill of a request whose old lease is still open here
             self._end_lease(rid, "replaced")
             if rid in self._leases:  # pinned by a read in progress: retry once it is done
@@ -360,7 +299,7 @@ class DisaggWorker:
                                     queued_ns=received_ns, prefill_only=True,
                                     output_token_ids=spec.output_token_ids)
         except InvalidRequestError as e:
-            self._forget(rid, spec.attempt)
+            self._inbox.forget(rid, spec.attempt)
             self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
             return
         self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
@@ -372,12 +311,11 @@ class DisaggWorker:
         t0 = time.monotonic_ns()
         handle = self.transport.export(lambda: eng.executor.read_blocks(block_ids))  # type: ignore[attr-defined]
         t1 = time.monotonic_ns()
-        lease = _Lease(rid, block_ids if self.transport.holds_blocks else None, handle,
+        lease = KVLease(rid, block_ids if self.transport.holds_blocks else None, handle,
                        time.monotonic_ns() + int(self.config.kv_lease_timeout_s * 1e9), attempt)
         if not self.transport.holds_blocks:
             eng.release_parked(rid)  # the KV lives in the object store now
-        with self._lease_lock:
-            self._leases[rid] = lease
+        self._leases.add(lease)
         self.counters["leases_opened"] += 1
         copied = not self.transport.holds_blocks
         return KVSource(self.transport.name, rid, self.name, self.handle, self.layout, num_tokens, len(block_ids),
@@ -385,35 +323,23 @@ class DisaggWorker:
 
     def _end_lease(self, rid: str, reason: str, attempt: int | None = None) -> None:
         """Loop thread. Frees the lease's blocks now, or once its readers are done."""
-        with self._lease_lock:
-            lease = self._leases.get(rid)
-            if lease is None or (attempt is not None and lease.attempt != attempt):
-                return
-            if not lease.ended:
-                lease.ended, lease.reason = True, reason
-            if lease.readers:
-                return  # _settle_leases finishes it
-            del self._leases[rid]
-        with self._staged_cv:  # the request is done here: forget its attempt (else one entry per request, forever)
-            self._attempts.pop(rid, None)
+        lease = self._leases.end(rid, reason, attempt)
+        if lease is None:
+            return  # none, or pinned by a read: _settle_leases finishes it
+        self._inbox.forget_request(rid)  # done here: forget its attempt (else one entry per request, forever)
         if lease.block_ids is not None:
             self.engine.release_parked(rid)
         self.counters[f"leases_{lease.reason}"] += 1
         self._prom.lease_ended(lease.reason)
 
     def _settle_leases(self) -> None:
-        with self._lease_lock:
-            done = [rid for rid, lease in self._leases.items() if lease.ended and not lease.readers]
-        for rid in done:
+        for rid in self._leases.settled():
             self._end_lease(rid, "")
 
     def _expire_leases(self) -> None:
         if not self._leases:
             return
-        now = time.monotonic_ns()
-        with self._lease_lock:
-            expired = [rid for rid, lease in self._leases.items() if not lease.ended and now > lease.expires_ns]
-        for rid in expired:
+        for rid in self._leases.expired(time.monotonic_ns()):
             self._end_lease(rid, "expired")
 
     # decode side -------------------------------------------------------------------------------------------
@@ -425,13 +351,8 @@ class DisaggWorker:
                 return
             spec, queued_ns = item
             rid, source, key = spec.request_id, spec.source, (spec.request_id, spec.attempt)
-            with self._staged_cv:  # bounded staging: beyond it the KV stays leased on the prefill side
-                while (self._staged and self._staged_bytes + source.num_bytes > cfg.max_staged_kv_bytes
-                       and key not in self._cancelled and not self._stop.is_set()):
-                    self._staged_cv.wait(0.1)
-                if key in self._cancelled:
-                    self._leave_transfer(key)
-                    continue
+            if not self._inbox.wait_for_room(key, source.num_bytes, cfg.max_staged_kv_bytes, self._stop):
+                continue  # cancelled meanwhile
             start_ns = time.monotonic_ns()
             try:
                 handshake(source.layout, self.layout, source.worker, self.name)
@@ -439,11 +360,11 @@ class DisaggWorker:
                     time.sleep(self.fault_transfer_delay_s)
                 kv = self._transport(source.transport).fetch(source, cfg.transfer_timeout_s)
             except KVLayoutMismatchError as e:
-                self._drop_transfer(key)
+                self._inbox.drop_transfer(key)
                 self._emit(FailureEvent(rid, self.name, "engine_error", str(e), attempt=spec.attempt))
                 continue
             except KVUnavailableError as e:
-                self._drop_transfer(key)
+                self._inbox.drop_transfer(key)
                 self.counters["transfers_failed"] += 1
                 self._prom.transfer("failed")
                 self._emit(FailureEvent(rid, self.name, "kv_unavailable", str(e), kv_lost=True, attempt=spec.attempt))
@@ -454,18 +375,9 @@ class DisaggWorker:
             self.counters["transfer_bytes"] += source.num_bytes
             self._prom.transfer("ok")
             self._emit(TransferEvent(rid, self.name, queued_ns, start_ns, end_ns, source.num_bytes, spec.attempt))
-            with self._staged_cv:
-                if key in self._cancelled:
-                    self._leave_transfer(key)
-                    continue
-                self._staged.append(_Staged(spec, kv, queued_ns, start_ns, end_ns, source.num_bytes))
-                self._staged_bytes += source.num_bytes
+            if not self._inbox.stage(StagedKV(spec, kv, queued_ns, start_ns, end_ns, source.num_bytes)):
+                continue  # cancelled during the fetch
             self._commands.put(lambda: None)  # wake the loop
-
-    def _drop_transfer(self, key: tuple[str, int]) -> None:
-        with self._staged_cv:
-            self._leave_transfer(key)
-        self._forget(*key)
 
     def _transport(self, name: str) -> Any:
         if name not in self._transports:
@@ -473,13 +385,11 @@ class DisaggWorker:
         return self._transports[name]
 
     def _admit_staged(self) -> None:
-        while self._staged:
-            st = self._staged[0]
+        while self._inbox.staged:
+            st = self._inbox.staged[0]
             spec = st.spec
             rid = spec.request_id
-            with self._staged_cv:
-                cancelled = (rid, spec.attempt) in self._cancelled
-            if not cancelled:
+            if not self._inbox.is_cancelled((rid, spec.attempt)):
                 if self.engine.tracked(rid) is not None:  # an older attempt whose abort is still on its way
                     self.engine.abort_request([rid])
                 m = RequestMetrics(
@@ -490,7 +400,7 @@ class DisaggWorker:
                     admitted = self.engine.add_prefilled_request(
                         rid, spec.prompt_token_ids, spec.output_token_ids, spec.params, st.kv, m)
                 except InvalidRequestError as e:
-                    self._unstage(failed=True)
+                    self._inbox.unstage(failed=True)
                     self._emit(FailureEvent(rid, self.name, "invalid", str(e), attempt=spec.attempt))
                     continue
                 now = time.monotonic_ns()
@@ -498,7 +408,7 @@ class DisaggWorker:
                     waited = (now - st.end_ns) / 1e9
                     if waited <= self.config.decode_admission_timeout_s:
                         return  # backpressure: wait for blocks; later ones wait behind it (FIFO)
-                    self._unstage(failed=True)
+                    self._inbox.unstage(failed=True)
                     self.counters["admission_timeouts"] += 1
                     self._emit(FailureEvent(
                         rid, self.name, "admission_timeout",
@@ -511,7 +421,7 @@ class DisaggWorker:
                 self._progress[rid] = _Progress(len(spec.output_token_ids), spec.attempt)
                 self.counters["admitted"] += 1
                 self._emit(AdmittedEvent(rid, self.name, m.decode_admitted_ns or now, spec.attempt))
-            self._unstage()
+            self._inbox.unstage()
 
     def _sampler_state(self, rid: str) -> bytes | None:
         gen = getattr(self.engine.executor, "sampler", None)
@@ -526,38 +436,18 @@ class DisaggWorker:
         gen.set_state(torch.tensor(list(state), dtype=torch.uint8))
         sampler._generators[rid] = gen
 
-    def _unstage(self, failed: bool = False) -> None:
-        with self._staged_cv:
-            st = self._staged.popleft()
-            self._staged_bytes -= st.num_bytes
-            self._leave_transfer((st.spec.request_id, st.spec.attempt))
-            self._staged_cv.notify_all()
-        if failed:
-            self._forget(st.spec.request_id, st.spec.attempt)
-
     # both --------------------------------------------------------------------------------------------------
     def _abort(self, request_ids: list[str], attempt: int) -> None:
-        with self._staged_cv:
-            request_ids = [rid for rid in request_ids if self._attempts.get(rid, attempt) <= attempt]  # not stale
+        request_ids = self._inbox.current(request_ids, attempt)  # not stale
         for rid in request_ids:
             if rid in self._leases:  # parked: freed through its lease (never under a reader)
                 self._end_lease(rid, "aborted")
             elif self.engine.tracked(rid) is not None:
                 self.engine.abort_request([rid])
             self._progress.pop(rid, None)
-            self._forget(rid, attempt)
+            self._inbox.forget(rid, attempt)
         if self.role == "decode":
-            with self._staged_cv:
-                keep = []
-                for st in self._staged:
-                    key = (st.spec.request_id, st.spec.attempt)
-                    if key in self._cancelled:
-                        self._leave_transfer(key)
-                    else:
-                        keep.append(st)
-                self._staged = deque(keep)
-                self._staged_bytes = sum(st.num_bytes for st in keep)
-                self._staged_cv.notify_all()
+            self._inbox.drop_cancelled()
 
     def _publish(self, outputs: list[Any]) -> None:
         events = []
@@ -586,8 +476,7 @@ class DisaggWorker:
                 ev.record = dataclasses.replace(m, token_sent_ns=[])
                 del self._progress[rid]
                 if out.finished:
-                    with self._staged_cv:
-                        self._attempts.pop(rid, None)
+                    self._inbox.forget_request(rid)
             events.append(ev)
         if events:
             self._emit(*events)
