@@ -34,8 +34,8 @@ import ctypes
 
 import torch
 
+import phaselab.model.kernels.library as library
 from phaselab import envs
-from phaselab.model.kernels import library
 from phaselab.model.kernels.build import ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
 from phaselab.model.kernels.decode_call import (  # noqa: F401 (re-exported)
     DECODE_LAYERS_KINDS, DecodeEnds, DecodeLayer, decode_forward, decode_layers, decode_layers_profile)

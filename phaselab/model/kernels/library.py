@@ -25,8 +25,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import phaselab.model.kernels.build as build
 from phaselab import envs
-from phaselab.model.kernels import build
 
 log = logging.getLogger(__name__)
 

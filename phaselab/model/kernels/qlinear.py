@@ -14,8 +14,8 @@ import functools
 
 import torch
 
+import phaselab.model.kernels.library as library
 from phaselab import envs
-from phaselab.model.kernels import library
 
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6, "Q8_0L": 7}
 assert len(FORMAT_IDS) == library.QLINEAR_FORMATS
