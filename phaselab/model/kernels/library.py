@@ -132,7 +132,7 @@ def pool_address() -> int | None:
 def pool_reason() -> str | None:
     """Why the kernels run without the pool (None when they run on it)."""
     if load() is None:
-        return f"no native kernels: {_reason}"
+        return f"no native kernels: {envs.KERNELS.name}=0" if envs.KERNELS.off() else f"no native kernels: {_reason}"
     return None if _pool_on else f"turned off by {envs.POOL.name}=0"
 
 
