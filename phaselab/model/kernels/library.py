@@ -31,7 +31,8 @@ from phaselab import envs
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-QLINEAR_SOURCES = tuple(_HERE / f"qlinear_{part}.c" for part in ("entry", "avx512", "amx", "avx2", "portable", "layouts"))
+QLINEAR_SOURCES = tuple(_HERE / f"qlinear_{part}.c"
+                        for part in ("entry", "avx512", "amx", "avx2", "portable", "layouts"))
 SOURCES = (*(_HERE / f for f in ("paged_decode.c", "prefill_attn.c", "elementwise.c", "decode_layers.c", "pool.c")),
            *QLINEAR_SOURCES)
 HEADERS = tuple(_HERE / h for h in ("simd.h", "qlinear.h", "qlinear_avx512.h", "qlinear_avx2.h"))  # for the build key
@@ -159,7 +160,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         sig(fn, ci, [vp, vp, i64, i64])
     # decode_layers.c
     sig(lib.decode_layers, ci, [vp, i64, i64, ci] + [vp] * 6 + [i64, i64] + [vp, vp, i64, vp] + [i64] * 4 + [cf] * 2)
-    sig(lib.decode_forward, ci, [vp, i64, vp, i64, ci, vp, vp, vp, vp, i64, i64, vp, vp, i64, vp] + [i64] * 4 + [cf] * 2)
+    sig(lib.decode_forward, ci,
+        [vp, i64, vp, i64, ci, vp, vp, vp, vp, i64, i64, vp, vp, i64, vp] + [i64] * 4 + [cf] * 2)
     sig(lib.decode_layers_profile, None, [ci, vp])
     # pool.c
     sig(lib.phaselab_pool_set_spin_us, None, [i64])

@@ -59,7 +59,7 @@
 #define QL_AVX512 0
 #endif
 /* AVX2 + FMA + F16C without AVX-512 (AMD Zen 2/3, Intel before Skylake-SP; or forced by
- * PHASELAB_KERNEL_ISA=avx2): the same loops on 8-float vectors (dot_rows8 below) */
+ * PHASELAB_KERNEL_ISA=avx2): the same loops on 8-float vectors (dot_rows8 in qlinear_avx2.c) */
 #if !QL_AVX512 && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QL_AVX2 1

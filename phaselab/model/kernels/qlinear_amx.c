@@ -17,8 +17,8 @@
  * columns of 16 activation rows in pairs (amx_prepare), tile C (float32, 16 x 16) += A B summed
  * over all of K, up to four C tiles (64 activation rows) per widening. So the weights are read and
  * widened once per call whatever the row count, and the products cost next to nothing: at 8-64
- * rows the kernel costs about what one row costs, where the dot-product loops above grow with
- * every row. Q4_1X is widened in its kernel order (dequant_kernel_order's), the activations taken
+ * rows the kernel costs about what one row costs, where the dot-product loops (qlinear_avx512.c)
+ * grow with every row. Q4_1X is widened in its kernel order (dequant_kernel_order's), the activations taken
  * in the same order (q41x_order_row): a permutation of K leaves x W^T as it is. BF16 weights are
  * loaded into tile A straight from W. Linux hands AMX's tile state to a process only on request
  * (arch_prctl ARCH_REQ_XCOMP_PERM); refused, the path is off (qlinear_features bit 3). */
