@@ -44,8 +44,8 @@
  * has them, else AVX2 + FMA + F16C intrinsics (dot_rows8), else plain C loops the compiler
  * vectorizes as it can. PHASELAB_KERNEL_ISA=avx2 / portable builds the lower paths on any CPU.
  */
-#ifndef PHASELAB_QLINEAR_H
-#define PHASELAB_QLINEAR_H
+#ifndef QLINEAR_H
+#define QLINEAR_H
 
 #include <omp.h>
 #include <stdint.h>

@@ -2,8 +2,8 @@
  * quantized format widened to four float32 vectors of 8 (deq_block8), 8 dense weights (dense8), 32
  * widened weights stored as float32 or bf16 (store32_8); and the lane layouts' functions that
  * qlinear_entry.c calls (defined in qlinear_avx2.c). Empty unless QL_AVX2. */
-#ifndef PHASELAB_QLINEAR_AVX2_H
-#define PHASELAB_QLINEAR_AVX2_H
+#ifndef QLINEAR_AVX2_H
+#define QLINEAR_AVX2_H
 
 #include "qlinear.h"
 

@@ -3,8 +3,8 @@
  * widened weights stored as float32 or bf16 (store32), a Q4_1X group widened in its kernel order
  * (q41x_group); read by qlinear_avx512.c, qlinear_amx.c, qlinear_layouts.c and dequant_rows in
  * qlinear_entry.c. Empty unless QL_AVX512. */
-#ifndef PHASELAB_QLINEAR_AVX512_H
-#define PHASELAB_QLINEAR_AVX512_H
+#ifndef QLINEAR_AVX512_H
+#define QLINEAR_AVX512_H
 
 #include "qlinear.h"
 
