@@ -1,4 +1,4 @@
-"""Batched rows on AMX tiles against the dot-product loops and torch's GEMM (kernels/qlinear.c, issue 18).
+"""Batched rows on AMX tiles against the dot-product loops and torch's GEMM (kernels/qlinear_amx.c, issue 18).
 
     python benchmarks/amx_rows.py [--rows 1 2 4 8 16 32 64] [--rounds 5]
 

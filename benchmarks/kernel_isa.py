@@ -1,4 +1,4 @@
-"""The small-row linear kernel (kernels/qlinear.c) per instruction-set build, against the bandwidth floor.
+"""The small-row linear kernel (kernels/qlinear_*.c) per instruction-set build, against the bandwidth floor.
 
     python benchmarks/kernel_isa.py                                  # native and portable builds
     python benchmarks/kernel_isa.py --builds native avx2 --before /path/to/older/checkout

@@ -148,7 +148,7 @@ def _check_figures(name: str, text: str, ceilings: set[tuple[float, float]]) -> 
 @pytest.mark.slow
 def test_compare_runs_the_weight_path_serve_runs(compare_run):
     from phaselab.engine.engine import resolve_dtype
-    from phaselab.model import linear_probe
+    from phaselab.model.kernels import linear_probe
 
     out, _, stdout, _ = compare_run
     dtype, _ = resolve_dtype("auto", True, "auto")  # serve's defaults: --dtype auto --weights auto

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from phaselab.model import kernels
-from phaselab.model.kernels import qlinear
+from phaselab.model.kernels import library, qlinear
 
 pytestmark = pytest.mark.skipif(
     not qlinear.available() or kernels.pool_address() is None,
-    reason=f"pool or kernel unavailable: {kernels._pool_reason or qlinear.unavailable_reason()}",
+    reason=f"pool or kernel unavailable: {library.pool_reason() or qlinear.unavailable_reason()}",
 )
 
 

@@ -159,10 +159,12 @@ def test_kernel_rejects_bad_input():
 
 
 def test_no_compiler_falls_back_with_a_reason(monkeypatch):
-    monkeypatch.setattr(kernels, "_lib", None)
-    monkeypatch.setattr(kernels, "_tried", False)
-    monkeypatch.setattr(kernels, "_reason", None)
-    monkeypatch.setattr(kernels, "_compiler", lambda: None)
+    from phaselab.model.kernels import build, library
+
+    monkeypatch.setattr(library, "_lib", None)
+    monkeypatch.setattr(library, "_tried", False)
+    monkeypatch.setattr(library, "_reason", None)
+    monkeypatch.setattr(build, "compiler", lambda: None)
     assert not kernels.available()
     assert "no C compiler" in (kernels.unavailable_reason() or "")
     assert not kernels.supports(torch.float32)

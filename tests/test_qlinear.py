@@ -237,7 +237,7 @@ def test_q4_1x_layout_round_trips_and_widens_exactly(n, k):
 @pytest.mark.parametrize(("n", "k"), X_SHAPES)
 def test_q4_1x_kernel_matches_float64_reference(n, k):
     """bf16 activations at 1..64 rows (1..8 per pass, then again), float32 and bf16 outputs, with a
-    bias: within the float32 bound of a K-term sum (the 128 + q offset included, see qlinear.c)."""
+    bias: within the float32 bound of a K-term sum (the 128 + q offset included, see qlinear_avx512.c)."""
     packed, ref = _gguf_packed("Q4_1", n, k, seed=k + 1)
     x4 = qlinear.repack("Q4_1X", packed.data, n, k)
     bias = torch.randn(n)
@@ -363,7 +363,7 @@ def test_lane_layout_round_trips_and_widens_exactly(lanes, stored, n, k):
 def test_lane_kernel_matches_float64_reference(lanes, stored, n, k, act, rows4):
     """float32 and bf16 activations at 1..64 rows (1..4 per pass, then again), float32 and bf16
     outputs, with a bias, both weight-row passes: within the float32 bound of a K-term sum (the
-    kernel sums d (q . x) (+ m sum(x)) per block, see qlinear.c)."""
+    kernel sums d (q . x) (+ m sum(x)) per block, see qlinear_avx2.c)."""
     packed, ref = _gguf_packed(stored, n, k, seed=k + 6)
     xl = qlinear.repack(lanes, packed.data, n, k)
     bias = torch.randn(n)

@@ -173,7 +173,7 @@ def test_native_rows_follow_the_probe_past_a_near_tie_at_one_row(tmp_path, monke
     count it lost (or none is left). The table an AVX2-only EPYC measured for F32 (the kernel 278 us
     against the GEMM's 261 at one row, 1.3-4.2x faster from 2 to 64 rows) keeps every decode size
     on the kernel; a clear loss at one row keeps none."""
-    from phaselab.model.linear_probe import TIE, _crossover, crossover_table
+    from phaselab.model.kernels.linear_probe import TIE, _crossover, crossover_table
 
     monkeypatch.delenv("PHASELAB_LINEAR", raising=False)
     gguf_path = _tiny_gguf(tmp_path, tie=True)
@@ -329,7 +329,7 @@ def test_a_rerun_runs_the_recorded_row_counts(tmp_path, monkeypatch):
     from phaselab.experiments.diagnose_verify import _recorded_linear_path
     from phaselab.errors import ConfigError
     from phaselab import envs
-    from phaselab.model.linear_probe import parse_rows4
+    from phaselab.model.kernels.linear_probe import parse_rows4
 
     gguf_path = _tiny_gguf(tmp_path, tie=False)
     monkeypatch.setenv(envs.NATIVE_ROWS.name, "5")

@@ -43,8 +43,7 @@ from phaselab.engine.resolve import resolve
 from phaselab.engine.runner import ModelRunner
 from phaselab.errors import InvalidRequestError
 from phaselab.model.checkpoint import LoadedCheckpoint
-from phaselab.model import linear_probe
-from phaselab.model.kernels import prefetch_probe
+from phaselab.model.kernels import linear_probe, prefetch_probe
 from phaselab.model.linear import install as install_linear
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.loader import load_checkpoint

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from phaselab.engine.runtime_settings import runtime_settings
-from phaselab.model import linear_probe
+from phaselab.model.kernels import linear_probe
 from phaselab.engine.ceilings import cpu_identity
 
 

@@ -348,7 +348,7 @@ def run_compare(out_dir: str | Path, quick: bool = False, disagg: bool = True, s
     import torch
 
     from phaselab.engine.engine import resolve_dtype
-    from phaselab.model import linear_probe
+    from phaselab.model.kernels import linear_probe
     from phaselab.model.loader import load_checkpoint
 
     # the dtype and weight path `phaselab serve` picks with its defaults (--dtype auto --weights auto)

@@ -104,7 +104,7 @@ def _recorded_linear_path(config: dict[str, Any], overrides: dict[str, Any]) -> 
     steps ran the GEMM on a weight widened per call (138 ms a step against the run's 100), and
     `--max-num-seqs 16`, predicted at -43% ITL p50, measured -57% against that other engine."""
     from phaselab import envs
-    from phaselab.model.linear_probe import rows4_text
+    from phaselab.model.kernels.linear_probe import rows4_text
 
     lin = config.get("linear") or {}
     if "weights" in overrides or "dtype" in overrides or not isinstance(lin, dict):

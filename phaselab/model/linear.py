@@ -3,7 +3,7 @@
 Four paths run a model's linear layers (`PATHS`):
 
     q      GGUF blocks kept as in the file (Q4_0/Q4_1/Q8_0; K-quants re-quantized to Q8_0),
-           dequantized in registers by kernels/qlinear.c for small row counts (Q4_1 re-laid
+           dequantized in registers by kernels/qlinear_*.c for small row counts (Q4_1 re-laid
            at load as Q4_1X for vdpbf16ps with bf16 activations, as Q4_1L for AVX2's float32
            FMAs: qlinear.native_format)
     bf16   weights as dense bf16 rows, the same native kernel (vdpbf16ps on bf16 activations

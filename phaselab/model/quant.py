@@ -7,7 +7,7 @@ A `PackedTensor` is a (N, K) weight matrix whose rows are stored one after anoth
 
 Blocks run along K, so rows are independent: fusing q/k/v (concatenating rows) and undoing
 llama.cpp's q/k row permutation both work on the packed bytes directly, without dequantizing.
-The kernels in `kernels/qlinear.c` read these layouts; `phaselab/model/linear.py` builds the layers.
+The kernels in `kernels/qlinear_*.c` read these layouts; `phaselab/model/linear.py` builds the layers.
 
 K-quants (Q2_K..Q6_K) and Q5_0/Q5_1 have no native kernel: `from_gguf` dequantizes them and
 re-quantizes to Q8_0 blocks (8-bit, one fp16 scale per 32 weights), which adds a rounding of at
@@ -64,7 +64,7 @@ def cat_rows(parts: list[PackedTensor]) -> PackedTensor:
                         "+".join(dict.fromkeys(p.source_fmt for p in parts if p.source_fmt)))
 
 
-# Blocks re-laid at load for the small-row kernel (kernels/qlinear.c): Q4_1 for vdpbf16ps (Q4_1X,
+# Blocks re-laid at load for the small-row kernel (kernels/qlinear_*.c): Q4_1 for vdpbf16ps (Q4_1X,
 # dot_rows_q41x), Q4_1 and Q8_0 for AVX2's float32 FMAs (Q4_1L, Q8_0L: dot_rows_lanes). Same bytes,
 # never read from or written to a file.
 REPACKED = {"Q4_1X": "Q4_1", "Q4_1L": "Q4_1", "Q8_0L": "Q8_0"}

@@ -1,22 +1,26 @@
 """Native CPU kernels, compiled on first use with the machine's C compiler and loaded with ctypes.
 
-Kernels: paged decode attention (`paged_decode.c`), which reads each request's K/V in place
-through its block table instead of gathering the context into a buffer first; prefill attention
-(`prefill_attn.c`, built into the same library), a chunk's causal attention over its whole cached
-context in bf16 dot products; the decoder layer's bf16 elementwise glue (`elementwise.c`: residual
-add + RMSNorm, SiLU * up, one call each instead of 3-6 torch ops); and the small-batch linear layers (`qlinear.c`, bound in
-`qlinear.py`). All run their work on `pool.c`, a thread pool
-whose workers stay awake for a bounded time between calls (`PHASELAB_POOL_SPIN_US`, default
-200 us) and steal chunks, so a decode step's ~120 short calls neither pay OpenMP's wake-up under
-OMP_WAIT_POLICY=PASSIVE nor wait at a barrier for a thread the OS has descheduled.
-`PHASELAB_POOL=0` runs them on OpenMP's team instead (the measurement is in
-benchmarks/RESULTS.md, "Kernel thread pool").
+One library (`library.py` builds and loads it, declares every function's signature and checks its
+one ABI number) holds: paged decode attention (`paged_decode.c`), which reads each request's K/V in
+place through its block table instead of gathering the context into a buffer first; prefill
+attention (`prefill_attn.c`), a chunk's causal attention over its whole cached context in bf16 dot
+products; the decoder layer's bf16 elementwise glue (`elementwise.c`: residual add + RMSNorm,
+SiLU * up, one call each instead of 3-6 torch ops); a decode step's layers in one call
+(`decode_layers.c`, bound in `decode_call.py`); and the small-batch linear layers (`qlinear_*.c`,
+one file per instruction-set tier, `qlinear.h` the map; bound in `qlinear.py`). All run their work
+on `pool.c`, a thread pool whose workers stay awake for a bounded time between calls
+(`PHASELAB_POOL_SPIN_US`, default 200 us) and steal chunks, so a decode step's ~120 short calls
+neither pay OpenMP's wake-up under OMP_WAIT_POLICY=PASSIVE nor wait at a barrier for a thread the
+OS has descheduled. `PHASELAB_POOL=0` runs them on OpenMP's team instead (the measurement is in
+benchmarks/RESULTS.md, "Kernel thread pool"). The start-up probes that set the linear kernel's
+process-wide thresholds live beside it: `linear_probe.py` (the path and row thresholds, on
+`linear_timing.py`) and `prefetch_probe.py` (Q4_1X's prefetch distance).
 
-Why C through ctypes rather than a torch C++ extension: the file compiles in about a second with
-plain `cc` (a torch extension takes a minute of header parsing), needs no Python headers, and
-the library links the OpenMP runtime torch already loaded (`libgomp.so.1`, same SONAME), so the
-thread count is torch's (`omp_get_max_threads()`, which `torch.set_num_threads` sets) whether the
-pool or OpenMP's team runs the work.
+Why C through ctypes rather than a torch C++ extension: the sources compile in seconds with plain
+`cc` (a torch extension takes a minute of header parsing), need no Python headers, and the library
+links the OpenMP runtime torch already loaded (`libgomp.so.1`, same SONAME), so the thread count is
+torch's (`omp_get_max_threads()`, which `torch.set_num_threads` sets) whether the pool or OpenMP's
+team runs the work.
 
 The build (build.py) is cached under `$PHASELAB_CACHE_DIR/kernels`, keyed by the sources, the
 compiler, the flags and the CPU's features. `PHASELAB_KERNELS=0` turns the native path off (torch fallback everywhere). When no compiler is
@@ -27,40 +31,19 @@ found or the build fails, the fallback is used and the reason is kept in `unavai
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
-from pathlib import Path
 
 import torch
 
+import phaselab.model.kernels.library as library
 from phaselab import envs
 from phaselab.model.kernels.build import ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
-from phaselab.model.kernels.build import build as _build
-from phaselab.model.kernels.build import compiler as _compiler
+from phaselab.model.kernels.decode_call import (  # noqa: F401 (re-exported)
+    DECODE_LAYERS_KINDS, DecodeEnds, DecodeLayer, decode_forward, decode_layers, decode_layers_profile)
 
-log = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).with_name("paged_decode.c")
-PREFILL_SOURCE = Path(__file__).with_name("prefill_attn.c")  # linked into _SOURCE's library
-ELEMENTWISE_SOURCE = Path(__file__).with_name("elementwise.c")  # likewise
-DECODE_LAYERS_SOURCE = Path(__file__).with_name("decode_layers.c")  # likewise
-SIMD_HEADER = Path(__file__).with_name("simd.h")  # included by the kernel sources (not pool.c): part of their build keys
-# one library: the attention, elementwise and layers sources (the header for the build key only)
-LIBRARY_SOURCES = (_SOURCE, PREFILL_SOURCE, ELEMENTWISE_SOURCE, DECODE_LAYERS_SOURCE, SIMD_HEADER)
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}
 # PHASELAB_DECODE_ATTN values -> paged_decode's part kernel (paged_decode_set_mode)
 DECODE_MODES = {"auto": 0, "dpbf16": 1, "c": 2}
-POOL_SOURCE = Path(__file__).with_name("pool.c")
-_ABI = 12
-_POOL_ABI = 1
-
-_lib: ctypes.CDLL | None = None
-_tried = False
-_reason: str | None = None
-_pool: ctypes.CDLL | None = None
-_pool_tried = False
-_pool_reason: str | None = None
 
 
 def _as_set(var: envs.EnvVar) -> str:
@@ -70,133 +53,38 @@ def _as_set(var: envs.EnvVar) -> str:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, _reason
-    if _tried:
-        return _lib
-    _tried = True
-    if envs.KERNELS.off():
-        _reason = f"turned off by {envs.KERNELS.name}=0"
-        return None
-    cc = _compiler()
-    if cc is None:
-        _reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
-    else:
-        try:
-            lib = ctypes.CDLL(str(_build(cc, LIBRARY_SOURCES)))
-            if lib.phaselab_kernel_abi() != _ABI:
-                raise RuntimeError("stale kernel library (ABI mismatch); delete " + str(cache_dir()))
-            f = lib.paged_decode
-            f.restype = ctypes.c_int
-            f.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                                                  ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float]
-            vp, i64 = ctypes.c_void_p, ctypes.c_int64
-            g = lib.decode_rope_attend
-            g.restype = ctypes.c_int
-            g.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [ctypes.c_float]
-            h = lib.prefill_attend
-            h.restype = ctypes.c_int
-            h.argtypes = [vp, i64, vp, vp, vp, i64, vp] + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
-            r = lib.rope_write_kv
-            r.restype = ctypes.c_int
-            r.argtypes = [vp, i64, vp, vp, vp, vp, vp, vp] + [i64] * 4
-            g32 = lib.decode_rope_attend_f32
-            g32.restype = ctypes.c_int
-            g32.argtypes = g.argtypes
-            for fn in (lib.add_rms_norm, lib.add_rms_norm_f32, lib.silu_mul, lib.silu_mul_f32):
-                fn.restype = ctypes.c_int
-            lib.add_rms_norm.argtypes = lib.add_rms_norm_f32.argtypes = [vp] * 4 + [i64, i64, ctypes.c_float]
-            lib.silu_mul.argtypes = lib.silu_mul_f32.argtypes = [vp, vp, i64, i64]
-            for fn in (lib.bf16_to_f32, lib.argmax_rows):
-                fn.restype = ctypes.c_int
-                fn.argtypes = [vp, vp, i64, i64]
-            lib.decode_layers.restype = ctypes.c_int
-            lib.decode_layers.argtypes = [vp, i64, i64, ctypes.c_int] + [vp] * 6 + [i64, i64] + [vp, vp, i64, vp] \
-                + [i64] * 4 + [ctypes.c_float] * 2
-            lib.decode_forward.restype = ctypes.c_int
-            lib.decode_forward.argtypes = [vp, i64, vp, i64, ctypes.c_int, vp, vp, vp, vp, i64, i64, vp, vp, i64, vp] \
-                + [i64] * 4 + [ctypes.c_float] * 2
-            lib.decode_layers_set_qlinear.argtypes = [vp, vp]
-            lib.decode_layers_profile.argtypes = [ctypes.c_int, vp]
-            for setter in (lib.paged_decode_set_pool, lib.prefill_attn_set_pool, lib.elementwise_set_pool):
-                setter.argtypes = [ctypes.c_void_p]
-                setter(pool_address())
-            lib.paged_decode_set_mode.argtypes = [ctypes.c_int]
-            _lib = lib
-            set_decode_attn(decode_attn_mode())
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            _reason = f"native kernels could not be built: {e}"
-    if _lib is None:
-        log.warning("phaselab: using the torch attention fallback (%s)", _reason)
-    return _lib
-
-
-def _load_pool() -> ctypes.CDLL | None:
-    global _pool, _pool_tried, _pool_reason
-    if _pool_tried:
-        return _pool
-    _pool_tried = True
-    if envs.KERNELS.off():
-        _pool_reason = f"no native kernels: {envs.KERNELS.name}=0"
-        return None
-    if envs.POOL.off():
-        _pool_reason = f"turned off by {envs.POOL.name}=0"
-        return None
-    cc = _compiler()
-    if cc is None:
-        _pool_reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
-        return None
-    spin = _as_set(envs.POOL_SPIN_US)
-    try:
-        spin_us = int(spin)
-    except ValueError:
-        raise ValueError(f"{envs.POOL_SPIN_US.name} must be a whole number of microseconds, got {spin!r}") from None
-    try:
-        lib = ctypes.CDLL(str(_build(cc, POOL_SOURCE)))
-        if lib.phaselab_pool_abi() != _POOL_ABI:
-            raise RuntimeError("stale pool library (ABI mismatch); delete " + str(cache_dir()))
-        lib.phaselab_pool_set_spin_us.argtypes = [ctypes.c_int64]
-        lib.phaselab_pool_set_spin_us(spin_us)
-        lib.phaselab_pool_stats.argtypes = [ctypes.c_void_p]
-        _pool = lib
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _pool_reason = f"the kernel thread pool could not be built: {e}"
-        log.warning("phaselab: kernels run on OpenMP's team (%s)", _pool_reason)
-    return _pool
+    """The kernel library, or None (library.load)."""
+    return library.load()
 
 
 def pool_address() -> int | None:
-    """Address of `phaselab_pool_run` for the kernel libraries, or None: they use OpenMP's team."""
-    lib = _load_pool()
-    return None if lib is None else ctypes.cast(lib.phaselab_pool_run, ctypes.c_void_p).value
+    """Address of `phaselab_pool_run` for the kernels, or None: they use OpenMP's team."""
+    return library.pool_address()
 
 
 def pool_description() -> str:
     """One line for config.json and start-up logs: which threads run the kernels, and how they wait."""
-    lib = _load_pool()
-    if lib is None and _pool_reason and _pool_reason.startswith("no native kernels"):
-        return f"torch only ({_pool_reason})"
-    if lib is None:
-        return f"OpenMP's team ({_pool_reason})"
+    why = library.pool_reason()
+    if why is not None and library.load() is None:
+        return f"torch only ({why})"
+    if why is not None:
+        return f"OpenMP's team ({why})"
     spin = _as_set(envs.POOL_SPIN_US)
     return f"phaselab pool (workers spin {spin} us after a call, then sleep; {envs.POOL.name}=0 for OpenMP's team)"
 
 
 def pool_stats() -> dict[str, int] | None:
     """Counters of this process's pool (None without it): calls pooled / inline, chunks workers ran."""
-    lib = _load_pool()
-    if lib is None:
+    if library.pool_address() is None:
         return None
     buf = (ctypes.c_int64 * 5)()
-    lib.phaselab_pool_stats(buf)
+    library.require("pool").phaselab_pool_stats(buf)
     return dict(zip(("calls_pooled", "calls_inline", "chunks_by_workers", "workers", "sleeping"), buf))
 
 
 def _require(kernel: str) -> ctypes.CDLL:
-    """The attention/elementwise library, or a RuntimeError naming `kernel` and why it is missing."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"{kernel} kernel unavailable: {_reason}")
-    return lib
+    """The kernel library, or a RuntimeError naming `kernel` and why it is missing."""
+    return library.require(kernel)
 
 
 def available() -> bool:
@@ -204,8 +92,7 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _reason
+    return library.reason()
 
 
 def supports(cache_dtype: torch.dtype) -> bool:
@@ -312,6 +199,12 @@ def set_decode_attn(mode: str) -> None:
         raise ValueError(f"{envs.DECODE_ATTN.name}=dpbf16: this CPU's build lacks AVX512-BF16; use auto or c")
     lib.paged_decode_set_mode(DECODE_MODES[mode])
     _decode_attn_set = mode
+
+
+@library.on_load
+def _decode_attn_from_env(lib: ctypes.CDLL) -> None:
+    """At load, whoever loads the library first: the decode attention PHASELAB_DECODE_ATTN asks for."""
+    set_decode_attn(decode_attn_mode())
 
 
 def decode_attn_description() -> str:
@@ -473,8 +366,3 @@ def rope_write_kv(
         raise RuntimeError(f"rope_write_kv failed (code {rc}: 1 = unsupported shape)")
     return q
 
-
-# the decoder layers, or a decode step's whole forward, in one native call (decode_call.py); at the
-# end: that module reads _require from here
-from phaselab.model.kernels.decode_call import (  # noqa: E402,F401 (re-exported)
-    DECODE_LAYERS_KINDS, DecodeEnds, DecodeLayer, decode_forward, decode_layers, decode_layers_profile)

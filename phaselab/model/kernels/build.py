@@ -71,11 +71,11 @@ def build_key(source: Path | tuple[Path, ...], cc: str) -> str:
     return hashlib.sha256(src + cc.encode() + " ".join(flags()).encode() + cpu_flags().encode()).hexdigest()[:16]
 
 
-def build(cc: str, source: Path | tuple[Path, ...]) -> Path:
+def build(cc: str, source: Path | tuple[Path, ...], name: str | None = None) -> Path:
     """Compile `source` (one file, or several linked into one library; headers listed for the
-    build key only) once per build key."""
+    build key only) once per build key, into `name`-<key>.so (name: the first source's)."""
     sources = tuple(p for p in (source if isinstance(source, tuple) else (source,)) if p.suffix == ".c")
-    out = cache_dir() / f"{sources[0].stem}-{build_key(source, cc)}.so"
+    out = cache_dir() / f"{name or sources[0].stem}-{build_key(source, cc)}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ The Python side of decode_layers.c: the ctypes structures the model fills once a
 (`DecodeLayer` per layer, `DecodeEnds` for the embedding, RoPE tables, final norm and LM head), the
 two entry points and the per-kind timer benchmarks/step_profile.py reads. The package re-exports
 them (`kernels.decode_forward`, ...), and callers go through the package: tests spy on them there.
+This module imports only the library (library.py), never the package that re-exports it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import ctypes
 import torch
 
 from phaselab import envs
-from phaselab.model.kernels import _require
+from phaselab.model.kernels.library import require as _require
 
 
 class DecodeLayer(ctypes.Structure):
@@ -41,10 +42,7 @@ def decode_layers(
     """Every decoder layer of a decode-only batch in one call (decode_layers.c): the last layer's MLP
     output (B, hidden); `emb` leaves as the residual stream. Bit-identical to the Python layer loop
     on its native path (tests/test_decode_layers.py); shapes are the caller's to get right."""
-    from phaselab.model.kernels import qlinear
-
     lib = _require("decode_layers")
-    _bind_qlinear(lib, qlinear)
     out = torch.empty_like(emb)
     rc = lib.decode_layers(
         ctypes.addressof(layers), len(layers), emb.shape[0], int(emb.dtype == torch.bfloat16), None, emb.data_ptr(),
@@ -95,10 +93,7 @@ def decode_forward(
     RoPE rows, every decoder layer, the final norm and the LM head; float32 logits (B, vocab).
     Bit-identical to the model's forward with `decode_layers` and its Python ends
     (tests/test_decode_layers.py); shapes are the caller's to get right."""
-    from phaselab.model.kernels import qlinear
-
     lib = _require("decode_forward")
-    _bind_qlinear(lib, qlinear)
     B = input_ids.shape[0]
     logits = torch.empty((B, ends.vocab), dtype=torch.float32)
     rc = lib.decode_forward(
@@ -124,16 +119,3 @@ def decode_layers_profile(on: bool) -> dict[str, float]:
     lib.decode_layers_profile(int(on), ns)
     return {k: v / 1e9 for k, v in zip(DECODE_LAYERS_KINDS, ns)}
 
-
-_qlinear_bound = False
-
-
-def _bind_qlinear(lib: ctypes.CDLL, qlinear) -> None:  # type: ignore[no-untyped-def]
-    """Hand qlinear.c's entry points (the kernel, the row lookup) to decode_layers.c once (the two
-    are separate libraries)."""
-    global _qlinear_bound
-    if not _qlinear_bound:
-        ql = qlinear._lib_or_raise()
-        lib.decode_layers_set_qlinear(ctypes.cast(ql.qlinear, ctypes.c_void_p),
-                                      ctypes.cast(ql.dequant_rows, ctypes.c_void_p))
-        _qlinear_bound = True

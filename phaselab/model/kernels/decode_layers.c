@@ -12,8 +12,8 @@
  *
  * What it saves is the glue: at batch 1 on a 2-core AMD EPYC the Python loop spent about 7 ms of
  * an 18 ms step (30 layers) outside the kernels -- module calls, ctypes, torch's allocations and
- * views (benchmarks/RESULTS.md). qlinear lives in its own library (qlinear.c); its address is
- * handed over once (decode_layers_set_qlinear). bf16 selects the bfloat16 kernels (activations,
+ * views (benchmarks/RESULTS.md). qlinear (qlinear_entry.c) is in the same library. bf16 selects
+ * the bfloat16 kernels (activations,
  * cache and norm weights in bf16), else float32. Buffers come from one thread-local allocation
  * grown on demand; the pool runs each kernel's work as it does for the Python loop.
  */
@@ -25,18 +25,11 @@
 
 #include "simd.h" /* pl_buf */
 
-typedef int (*qlinear_fn)(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M,
-                          float *scratch, const float *bias, void *y, int y_bf16, int use_dp);
-typedef int (*dequant_fn)(int fmt, const void *w, int64_t N, int64_t K, const int64_t *idx, int64_t R, void *out,
-                          int out_bf16);
-static qlinear_fn g_qlinear = NULL;
-static dequant_fn g_dequant = NULL; /* qlinear.c's dequant_rows: the embedding lookup */
-void decode_layers_set_qlinear(void *fn, void *dequant) {
-    g_qlinear = (qlinear_fn)fn;
-    g_dequant = (dequant_fn)dequant;
-}
-
-/* the kernels of this library the loop calls (paged_decode.c, elementwise.c) */
+/* the kernels of this library the loop calls (qlinear_entry.c: the linear layers and, dequant_rows,
+ * the embedding lookup; paged_decode.c, elementwise.c) */
+int qlinear(int fmt, const void *w, int64_t N, int64_t K, const void *x, int x_bf16, int64_t M, float *scratch,
+            const float *bias, void *y, int y_bf16, int use_dp);
+int dequant_rows(int fmt, const void *w, int64_t N, int64_t K, const int64_t *idx, int64_t R, void *out, int out_bf16);
 int decode_rope_attend(const uint16_t *qkv, int64_t stride, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
                        uint16_t *vc, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                        const int64_t *lens, uint16_t *out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
@@ -112,12 +105,12 @@ static inline int norm(int bf16, const void *x, void *res, const void *w, void *
 /* h_out (M, hidden) = the last layer's MLP output; residual (M, hidden) updated in place (it enters
  * as the embedding: the first layer adds nothing to it). kv: the first layer's cache (its K half),
  * kv_layer_stride / kv_half_stride: bytes from one layer's K to the next layer's, and from K to V.
- * Returns 0; 1 for a shape or format the kernels refuse or a missing qlinear; 2 out of memory. */
+ * Returns 0; 1 for a shape or format the kernels refuse; 2 out of memory. */
 int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, const void *h_in, void *residual,
                   void *h_out, const void *cos, const void *sin, char *kv, int64_t kv_layer_stride,
                   int64_t kv_half_stride, const int64_t *slots, const int64_t *tables, int64_t max_blocks,
                   const int64_t *lens, int64_t H, int64_t KVH, int64_t D, int64_t BS, float scale, float eps) {
-    if (!g_qlinear || num_layers <= 0 || M <= 0) return 1;
+    if (num_layers <= 0 || M <= 0) return 1;
     const size_t el = bf16 ? 2 : 4;
     const int64_t hidden = L[0].k[QKV];
     int64_t widest = 0, deepest = 0; /* the largest output and input row of any linear */
@@ -141,7 +134,7 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
         char *kc = kv + l * kv_layer_stride, *vc = kc + kv_half_stride;
         if (norm(bf16, h, residual, y->norm_in, x, M, hidden, eps)) return 1;
         prof_add(on, P_NORM, &t);
-        if (g_qlinear(y->fmt[QKV], y->w[QKV], y->n[QKV], y->k[QKV], x, bf16, M, scratch, y->bias[QKV], big, bf16, 1))
+        if (qlinear(y->fmt[QKV], y->w[QKV], y->n[QKV], y->k[QKV], x, bf16, M, scratch, y->bias[QKV], big, bf16, 1))
             return 1;
         prof_add(on, QKV, &t);
         const int rc = bf16 ? decode_rope_attend((const uint16_t *)big, y->n[QKV], (const uint16_t *)cos,
@@ -152,12 +145,12 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
                                                      max_blocks, lens, (float *)mid, M, H, KVH, D, BS, scale);
         if (rc) return rc;
         prof_add(on, P_ATTN, &t);
-        if (g_qlinear(y->fmt[O], y->w[O], y->n[O], y->k[O], mid, bf16, M, scratch, y->bias[O], a, bf16, 1))
+        if (qlinear(y->fmt[O], y->w[O], y->n[O], y->k[O], mid, bf16, M, scratch, y->bias[O], a, bf16, 1))
             return 1;
         prof_add(on, O, &t);
         if (norm(bf16, a, residual, y->norm_post, x, M, hidden, eps)) return 1;
         prof_add(on, P_NORM, &t);
-        if (g_qlinear(y->fmt[GATE_UP], y->w[GATE_UP], y->n[GATE_UP], y->k[GATE_UP], x, bf16, M, scratch,
+        if (qlinear(y->fmt[GATE_UP], y->w[GATE_UP], y->n[GATE_UP], y->k[GATE_UP], x, bf16, M, scratch,
                       y->bias[GATE_UP], big, bf16, 1))
             return 1;
         prof_add(on, GATE_UP, &t);
@@ -166,7 +159,7 @@ int decode_layers(const dl_layer *L, int64_t num_layers, int64_t M, int bf16, co
                  : silu_mul_f32((const float *)big, (float *)mid, M, inter))
             return 1;
         prof_add(on, P_SILU, &t);
-        if (g_qlinear(y->fmt[DOWN], y->w[DOWN], y->n[DOWN], y->k[DOWN], mid, bf16, M, scratch, y->bias[DOWN], h_out,
+        if (qlinear(y->fmt[DOWN], y->w[DOWN], y->n[DOWN], y->k[DOWN], mid, bf16, M, scratch, y->bias[DOWN], h_out,
                       bf16, 1))
             return 1;
         prof_add(on, DOWN, &t);
@@ -209,7 +202,7 @@ int decode_forward(const dl_layer *L, int64_t num_layers, const df_ends *E, int6
                    const int64_t *positions, float *logits, char *kv, int64_t kv_layer_stride, int64_t kv_half_stride,
                    const int64_t *slots, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t H,
                    int64_t KVH, int64_t D, int64_t BS, float scale, float eps) {
-    if (!g_qlinear || !g_dequant || num_layers <= 0 || M <= 0 || !E) return 1;
+    if (num_layers <= 0 || M <= 0 || !E) return 1;
     for (int64_t m = 0; m < M; m++)
         if (ids[m] < 0 || ids[m] >= E->vocab_in || positions[m] < 0 || positions[m] >= E->max_pos) return 1;
     const size_t el = bf16 ? 2 : 4;
@@ -234,7 +227,7 @@ int decode_forward(const dl_layer *L, int64_t num_layers, const df_ends *E, int6
 #undef DF_TAKE
     const int on = atomic_load_explicit(&g_prof_on, memory_order_relaxed);
     int64_t t = prof_now(on);
-    if (g_dequant(E->emb_fmt, E->emb, E->vocab_in, hidden, ids, M, residual, bf16)) return 1;
+    if (dequant_rows(E->emb_fmt, E->emb, E->vocab_in, hidden, ids, M, residual, bf16)) return 1;
     for (int64_t m = 0; m < M; m++) {
         memcpy((char *)cos + (size_t)(m * D) * el, (const char *)E->cos + (size_t)(positions[m] * D) * el, (size_t)D * el);
         memcpy((char *)sin + (size_t)(m * D) * el, (const char *)E->sin + (size_t)(positions[m] * D) * el, (size_t)D * el);
@@ -245,7 +238,7 @@ int decode_forward(const dl_layer *L, int64_t num_layers, const df_ends *E, int6
     if (rc) return rc;
     t = prof_now(on);
     if (norm(bf16, h, residual, E->norm, x, M, hidden, eps)) return 1;
-    if (g_qlinear(E->head_fmt, E->head, V, hidden, x, bf16, M, scratch, NULL, bf16 ? act_logits : (void *)logits, bf16,
+    if (qlinear(E->head_fmt, E->head, V, hidden, x, bf16, M, scratch, NULL, bf16 ? act_logits : (void *)logits, bf16,
                   1))
         return 1;
     if (bf16 && bf16_to_f32((const uint16_t *)act_logits, logits, M, V)) return 1;

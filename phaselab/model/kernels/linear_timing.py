@@ -1,5 +1,5 @@
 """The linear kernels timed on this CPU: what `--weights auto` and `--dtype auto` decide on
-(phaselab/model/linear_probe.py decides). One-row products streamed over PROBE_BYTES of each
+(linear_probe.py beside it decides). One-row products streamed over PROBE_BYTES of each
 format's weights (beyond the caches, as a decode step reads them), the kernel against torch's GEMM
 at 1..64 rows, the four-row pass against one row at a time, and the 256-row GEMM rate per dtype.
 Runs take turns round after round and keep their best (best_in_turns): on a shared machine a
@@ -169,7 +169,7 @@ def _rows4_formats(act_dtype: torch.dtype) -> tuple[str, ...]:
     them (qlinear.native_format: Q4_1L in the AVX2 build): not Q4_1X (re-laid for vdpbf16ps) nor
     BF16 x bf16 on vdpbf16ps, which have their own loops."""
     feats = qlinear.features()
-    if not (feats["avx512"] or feats["avx2"]):  # the pass is built with AVX-512 or AVX2 (qlinear.c)
+    if not (feats["avx512"] or feats["avx2"]):  # the pass is built with AVX-512 or AVX2 (qlinear_avx512.c, _avx2.c)
         return ()
     dp = act_dtype == torch.bfloat16 and qlinear.features()["avx512_bf16_dot"]
     kinds = [qlinear.native_format(f, act_dtype) for f in ("Q8_0", "Q4_0", "Q4_1", "BF16", "F32")]

@@ -19,7 +19,8 @@
  * by phaselab's thread pool (pool.c, set with paged_decode_set_pool) or, without it, by the
  * process's OpenMP runtime (the one torch loaded: same SONAME); the thread count is OpenMP's
  * either way.
- * Built by phaselab/model/kernels/__init__.py (-O3 -march=native -ffast-math -fopenmp).
+ * Built by phaselab/model/kernels/library.py into the one kernel library (build.py: -O3 -march=native,
+ * the vectorizing parts of -ffast-math, -fopenmp).
  * Returns 0 on success, 1 for unsupported shapes, 2 when scratch memory cannot be allocated.
  */
 #include <float.h>
@@ -552,4 +553,6 @@ int rope_write_kv(const uint16_t *qkv, int64_t stride, const uint16_t *cos, cons
     return 0;
 }
 
-int phaselab_kernel_abi(void) { return 12; }
+/* The ABI of the whole kernel library (every source library.py compiles into it: the signatures it
+ * declares); library.py refuses a build that answers another number. One number for all of them. */
+int phaselab_kernel_abi(void) { return 13; }

@@ -184,5 +184,3 @@ void phaselab_pool_stats(int64_t *out) {
     out[3] = P.owner == getpid() ? P.nworkers : 0;
     out[4] = atomic_load(&P.sleepers);
 }
-
-int phaselab_pool_abi(void) { return 1; }

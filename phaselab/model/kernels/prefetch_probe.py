@@ -17,9 +17,9 @@ from phaselab import envs
 from phaselab.errors import ConfigError
 from phaselab.model import kernels
 from phaselab.model.kernels import qlinear
-from phaselab.model.linear import PackedLinear
+from phaselab.model.kernels.linear_probe import LinearDecision
 from phaselab.model.kernels.linear_timing import best_in_turns
-from phaselab.model.linear_probe import LinearDecision
+from phaselab.model.linear import PackedLinear
 
 PREFETCH_CANDIDATES = (2048, 4096)  # bytes ahead; the first is the kernel's default
 

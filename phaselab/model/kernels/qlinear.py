@@ -1,83 +1,31 @@
-"""ctypes binding of `qlinear.c`: small-batch linear layers over weights as stored (F32, BF16, Q8_0,
-Q4_0, Q4_1), and row dequantization for the GEMM path and embedding lookups.
+"""ctypes binding of the linear kernel (`qlinear_*.c`, qlinear.h the map): small-batch linear layers
+over weights as stored (F32, BF16, Q8_0, Q4_0, Q4_1, and the layouts re-laid at load: Q4_1X, Q4_1L,
+Q8_0L), and row dequantization for the GEMM path and embedding lookups.
 
-Built and cached like `paged_decode.c` (see `kernels/__init__.py`); `PHASELAB_KERNELS=0` turns it
-off too, and then every linear layer runs through torch on dequantized weights.
+In the one kernel library (`library.py` builds and loads it and declares the signatures);
+`PHASELAB_KERNELS=0` turns it off too, and then every linear layer runs through torch on
+dequantized weights.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
-from pathlib import Path
 
 import torch
 
+import phaselab.model.kernels.library as library
 from phaselab import envs
-from phaselab.model import kernels
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("qlinear.c")
 FORMAT_IDS = {"F32": 0, "BF16": 1, "Q8_0": 2, "Q4_0": 3, "Q4_1": 4, "Q4_1X": 5, "Q4_1L": 6, "Q8_0L": 7}
-_ABI = 7
-AMX_OFF = 1 << 30  # an amx_min no call reaches
+assert len(FORMAT_IDS) == library.QLINEAR_FORMATS
+AMX_OFF = library.AMX_OFF  # an amx_min no call reaches
 LANES = {"Q4_1": "Q4_1L", "Q8_0": "Q8_0L"}  # the AVX2 build's layouts: a float32 vector lane per block
-
-_lib: ctypes.CDLL | None = None
-_tried = False
-_reason: str | None = None
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _tried, _reason
-    if _tried:
-        return _lib
-    _tried = True
-    if envs.KERNELS.off():
-        _reason = f"turned off by {envs.KERNELS.name}=0"
-        return None
-    cc = kernels._compiler()
-    if cc is None:
-        _reason = "no C compiler found (set CC, or install gcc: apt-get install gcc)"
-        return None
-    try:
-        lib = ctypes.CDLL(str(kernels._build(cc, (SOURCE, kernels.SIMD_HEADER))))
-        if lib.qlinear_abi() != _ABI:
-            raise RuntimeError("stale kernel library (ABI mismatch); delete " + str(kernels.cache_dir()))
-        i64, vp, ci = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.qlinear.restype = ci
-        lib.qlinear.argtypes = [ci, vp, i64, i64, vp, ci, i64, vp, vp, vp, ci, ci]
-        lib.dequant_rows.restype = ci
-        lib.dequant_rows.argtypes = [ci, vp, i64, i64, vp, i64, vp, ci]
-        lib.kernel_order_x.restype = ci
-        lib.kernel_order_x.argtypes = [ci, vp, i64, i64, vp]
-        lib.dequant_kernel_order.restype = ci
-        lib.dequant_kernel_order.argtypes = [ci, vp, i64, i64, vp, ci]
-        lib.qlinear_repack.restype = ci
-        lib.qlinear_repack.argtypes = [ci, vp, i64, i64, vp]
-        lib.qlinear_set_rows4_min.argtypes = [ci, ci]
-        lib.qlinear_set_prefetch.argtypes = [i64]
-        lib.qlinear_prefetch.restype = i64
-        lib.qlinear_rows4_min.restype = ci
-        lib.qlinear_rows4_min.argtypes = [ci]
-        lib.qlinear_set_amx_min.argtypes = [ci, ci]
-        lib.qlinear_amx_min.restype = ci
-        lib.qlinear_amx_min.argtypes = [ci]
-        if envs.AMX.off():
-            for fid in FORMAT_IDS.values():
-                lib.qlinear_set_amx_min(fid, AMX_OFF)
-        lib.qlinear_scratch_floats.restype = i64
-        lib.qlinear_scratch_floats.argtypes = [ci, i64, i64, ci]
-        lib.qlinear_set_pool.argtypes = [vp]
-        lib.qlinear_set_pool(kernels.pool_address())
-        _lib = lib
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _reason = f"the qlinear kernel could not be built: {e}"
-        log.warning("phaselab: linear layers fall back to torch (%s)", _reason)
-    return _lib
+    """The kernel library, or None (library.load)."""
+    return library.load()
 
 
 def available() -> bool:
@@ -85,16 +33,13 @@ def available() -> bool:
 
 
 def unavailable_reason() -> str | None:
-    _load()
-    return _reason
+    return library.reason()
 
 
 def build_id() -> str:
-    """Names this build (source, compiler, flags, CPU, and the threads that run it: the pool or
+    """Names this build (sources, compiler, flags, CPU, and the threads that run it: the pool or
     OpenMP's team, whose speeds differ): the key of cached probe results."""
-    cc = kernels._compiler() or "none"
-    runner = "team" if kernels.pool_address() is None else "pool-" + kernels.build_key(kernels.POOL_SOURCE, cc)[:8]
-    return kernels.build_key(SOURCE, cc) + "-" + runner
+    return library.build_key() + "-" + ("team" if library.pool_address() is None else "pool")
 
 
 def features() -> dict[str, bool]:
@@ -108,7 +53,7 @@ def features() -> dict[str, bool]:
 
 def native_format(fmt: str, act_dtype: torch.dtype) -> str:
     """The layout the small-row kernel reads `fmt` fastest in, for activations of `act_dtype`:
-    Q4_1 becomes Q4_1X (kernels/qlinear.c, dot_rows_q41x) for bf16 activations on a CPU with
+    Q4_1 becomes Q4_1X (kernels/qlinear_avx512.c, dot_rows_q41x) for bf16 activations on a CPU with
     AVX512-BF16; in the AVX2 build Q4_1 and Q8_0 become Q4_1L and Q8_0L (dot_rows_lanes: a vector
     lane per block); unless PHASELAB_Q4_REPACK=0. Every other format stays as stored."""
     if fmt not in LANES or envs.Q4_REPACK.off():
@@ -138,7 +83,7 @@ def scratch_floats(fmt: str, m: int, k: int, x_dtype: torch.dtype) -> int:
 def _lib_or_raise() -> ctypes.CDLL:
     lib = _load()
     if lib is None:
-        raise RuntimeError(f"qlinear kernel unavailable: {_reason}; run with --weights dequantized")
+        raise RuntimeError(f"qlinear kernel unavailable: {library.reason()}; run with --weights dequantized")
     return lib
 
 

@@ -1,5 +1,5 @@
-/* Helpers shared by the native kernels (paged_decode.c, prefill_attn.c, elementwise.c and
- * decode_layers.c, linked into one library, and qlinear.c, its own): bf16 <-> float32 as torch
+/* Helpers shared by the native kernels (paged_decode.c, prefill_attn.c, elementwise.c,
+ * decode_layers.c and the qlinear_*.c files, all in one library): bf16 <-> float32 as torch
  * converts, buffers grown on demand, the thread-pool hook's types, and, where AVX-512 or AVX2 is
  * compiled, a vector exp and horizontal reductions.
  * Header-only: everything is static. */
