@@ -280,6 +280,23 @@ static inline void store_out(const ql_job *j, int64_t m, int64_t n, float v) {
         ((float *)j->y)[m * j->N + n] = v;
 }
 
+/* dot_group(fmt, w, x, K, mr, res): the tier's dot_any (one weight row against mr <= MR activation
+ * rows) called with a constant row count, so that the accumulators of its inlined dot_rows live in
+ * registers. Each tier file defines dot_any, then expands this once. */
+#define QL_DEFINE_DOT_GROUP                                                                                     \
+    static void dot_group(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {       \
+        switch (mr) {                                                                                       \
+        case 1: dot_any(fmt, w, x, K, 1, res); break;                                                       \
+        case 2: dot_any(fmt, w, x, K, 2, res); break;                                                       \
+        case 3: dot_any(fmt, w, x, K, 3, res); break;                                                       \
+        case 4: dot_any(fmt, w, x, K, 4, res); break;                                                       \
+        case 5: dot_any(fmt, w, x, K, 5, res); break;                                                       \
+        case 6: dot_any(fmt, w, x, K, 6, res); break;                                                       \
+        case 7: dot_any(fmt, w, x, K, 7, res); break;                                                       \
+        default: dot_any(fmt, w, x, K, 8, res); break;                                                      \
+        }                                                                                                   \
+    }
+
 /* the row chunks, each defined by the one tier file this build compiles (qlinear_avx512.c,
  * qlinear_avx2.c or qlinear_portable.c): single weight rows (rows1), four at a time (rows4) */
 QL_HIDDEN void rows1_chunk(void *ctx, int64_t c);

@@ -288,19 +288,7 @@ static inline __attribute__((always_inline)) void dot_any(int fmt, const uint8_t
     }
 }
 
-/* constant row counts, so the accumulators of dot_rows live in registers */
-static void dot_group(int fmt, const uint8_t *w, const float *x, int64_t K, int mr, float *res) {
-    switch (mr) {
-    case 1: dot_any(fmt, w, x, K, 1, res); break;
-    case 2: dot_any(fmt, w, x, K, 2, res); break;
-    case 3: dot_any(fmt, w, x, K, 3, res); break;
-    case 4: dot_any(fmt, w, x, K, 4, res); break;
-    case 5: dot_any(fmt, w, x, K, 5, res); break;
-    case 6: dot_any(fmt, w, x, K, 6, res); break;
-    case 7: dot_any(fmt, w, x, K, 7, res); break;
-    default: dot_any(fmt, w, x, K, 8, res); break;
-    }
-}
+QL_DEFINE_DOT_GROUP /* dot_group: dot_any at a constant row count (qlinear.h) */
 
 /* units are groups of four weight rows from n0 (panel_dot); K a multiple of 32 */
 void rows4_chunk(void *ctx, int64_t c) {
