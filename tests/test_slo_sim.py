@@ -20,7 +20,7 @@ from phaselab.cost.pricing import IterationCost
 from phaselab.sim.deployment import Deployment, RoleConfig
 from phaselab.core.scheduler import Scheduler
 from phaselab.sim.loop import simulate
-from phaselab.sim.sim_worker import warm_up_learner
+from phaselab.sim.sim_worker import CostModelExecutor, warm_up_learner
 from phaselab.sim.workload import interference_requests, random_requests
 
 H100 = get_hardware("h100")
@@ -65,7 +65,7 @@ def test_perfect_cost_model_holds_the_target(target_ms):
 def test_warm_up_recovers_a_perfect_cost_model():
     d = Deployment(LLAMA8, H100, colocated=RoleConfig(max_num_batched_tokens=4096, slo_tbt_ms=20.0))
     sched = Scheduler(d.scheduler_config(d.colocated), d.cache_config(d.colocated))
-    learner = warm_up_learner(sched, LinearCostModel())
+    learner = warm_up_learner(sched, CostModelExecutor(LinearCostModel(), {}))
     assert learner.coefficients.to_json() == pytest.approx(TRUTH.to_json(), rel=1e-4)
     assert sched.cost_coefficients == learner.coefficients
 

@@ -3,6 +3,7 @@
     workload.py    SimRequest; the bench's generators and seeds (random, shared-prefix, interference, trace)
     deployment.py  Deployment: colocated replicas or prefill/decode pools, per-role tp and scheduler options
     events.py      EventQueue: the virtual clock
+    noise.py       IterationNoise: a noisy machine's iteration times (per-shape lognormal, slow periods)
     transfer.py    Network: KV flows on links, max-min fair sharing, latency, per-flow rate caps
     sim_worker.py  SimWorker: one engine, a core Scheduler + CostModelExecutor (the cost model's times)
     loop.py        Simulator: the workers on the virtual clock; core's routing policy;

@@ -49,6 +49,7 @@ from phaselab.errors import InvalidRequestError
 from phaselab.obs.rundir import write_run_dir
 from phaselab.cost.pricing import IterationCost, RooflineCostModel
 from phaselab.sim.deployment import Deployment, RoleConfig
+from phaselab.sim.noise import IterationNoise
 from phaselab.sim.events import ARRIVAL, STEP_END, STEP_START, EventQueue
 from phaselab.sim.sim_worker import NS, CostModel, CostModelExecutor, SimWorker
 from phaselab.sim.transfer import Flow, Network
@@ -98,8 +99,10 @@ CostModelFactory = Callable[[str, str, RoleConfig], CostModel]
 class Simulator:
     def __init__(self, deployment: Deployment, requests: Sequence[SimRequest], arrivals: ArrivalPlan | None = None,
                  cost_model_factory: CostModelFactory | None = None, record_iterations: bool = True,
-                 workload_info: dict[str, Any] | None = None, check_invariants: bool = False) -> None:
+                 workload_info: dict[str, Any] | None = None, check_invariants: bool = False,
+                 noise: IterationNoise | None = None) -> None:
         self.d = deployment
+        self.noise = noise  # a noisy machine's iteration times (sim/noise.py); None: the cost model's own
         self.check_invariants = check_invariants  # tests: the scheduler's invariants after every step
         self.specs = list(requests)
         # the open-loop plans' triggered requests (SimRequest.after_finished): request id -> the requests
@@ -128,7 +131,9 @@ class Simulator:
             for i in range(count):
                 name = f"{role}-{i}" if deployment.mode == "disagg" else f"replica-{i}"
                 sched = Scheduler(deployment.scheduler_config(rc), deployment.cache_config(rc))
-                w = SimWorker(name, role, rc, sched, CostModelExecutor(make_cost(name, role, rc), self.stop_at))
+                executor = CostModelExecutor(make_cost(name, role, rc), self.stop_at, noise,
+                                             lambda: self.events.now - EPOCH_NS, name)
+                w = SimWorker(name, role, rc, sched, executor)
                 pool.append(w)
                 if deployment.mode == "disagg":
                     ports = rc.tp if self.transfer_link.per_gpu else 1

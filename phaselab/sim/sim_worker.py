@@ -2,7 +2,8 @@
 model runner (sim/loop.py puts these workers on the virtual clock and moves requests between them).
 
     CostModelExecutor.execute(plan): a dummy token per sampled request (EOS where the workload
-        stops it) and the cost model's predicted duration, split into prepare and forward
+        stops it) and the cost model's predicted duration (times a noisy machine's factor,
+        sim/noise.py, when one is given), split into prepare and forward
     warm_up_learner: the adaptive budget's warm-up (engine/budget.py), timed by the cost model
     SimWorker: the scheduler, the executor, the inbox and staged KV, and its busy time
 """
@@ -10,6 +11,7 @@ model runner (sim/loop.py puts these workers on the virtual clock and moves requ
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Protocol
 
 from phaselab.cost.iteration_cost import IterationCostCoefficients
@@ -20,6 +22,7 @@ from phaselab.core.outputs import SchedulerOutput, StepResult
 from phaselab.core.request import Request
 from phaselab.core.scheduler import Scheduler
 from phaselab.sim.deployment import RoleConfig
+from phaselab.sim.noise import IterationNoise, scaled
 from phaselab.cost.pricing import IterationCost
 from phaselab.sim.transfer import Flow
 from phaselab.sim.workload import DUMMY_TOKEN, EOS_TOKEN
@@ -31,9 +34,10 @@ class CostModel(Protocol):
     def predict(self, plan: SchedulerOutput) -> IterationCost: ...
 
 
-def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearner:
+def warm_up_learner(scheduler: Scheduler, executor: CostModelExecutor) -> BudgetLearner:
     """The engine's warm-up (engine/budget.py) on the virtual clock: the same synthetic shapes,
-    timed by the cost model instead of the runner."""
+    timed by the executor's cost model (and its noise) instead of the runner."""
+    cost_model = executor.cost_model
     sc, cc = scheduler.scheduler_config, scheduler.cache_config
     # the engine's max_native_rows, where the cost model prices the batched GEMM's regime (CostParams)
     wide_rows = int(getattr(getattr(cost_model, "params", None), "wide_rows", 0) or 0)
@@ -42,7 +46,7 @@ def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearne
     for i, (chunks, decodes) in enumerate(warm_up_shapes(sc.max_num_batched_tokens, sc.max_num_seqs,
                                                          sc.max_model_len, cc.num_blocks * cc.block_size)):
         plan = shape_plan(-1 - i, chunks, decodes, blocks, cc.block_size)
-        learner.fitter.update(learner.features(plan), cost_model.predict(plan).duration_ns / NS)
+        learner.fitter.update(learner.features(plan), executor.timed(plan).duration_ns / NS)
     learner.fitter.anchor()
     scheduler.set_cost_coefficients(learner.coefficients)
     return learner
@@ -51,15 +55,27 @@ def warm_up_learner(scheduler: Scheduler, cost_model: CostModel) -> BudgetLearne
 class CostModelExecutor(Executor):
     """The executor of a simulated worker: a deterministic dummy token per sampled request (EOS
     where the workload says the request stops) and the cost model's predicted duration, split
-    into prepare (fixed overheads) and forward (the rest)."""
+    into prepare (fixed overheads) and forward (the rest). With `noise`, each time is the cost
+    model's times the noise's factor for the plan at `clock()` (ns since the simulation's start)."""
 
-    def __init__(self, cost_model: CostModel, stop_at: dict[str, int]) -> None:
+    def __init__(self, cost_model: CostModel, stop_at: dict[str, int], noise: IterationNoise | None = None,
+                 clock: Callable[[], int] | None = None, worker: str = "") -> None:
         self.cost_model = cost_model
         self.stop_at = stop_at  # request id -> output tokens after which it samples EOS
         self.last_cost = IterationCost(0)
+        self.noise = noise
+        self.clock = clock or (lambda: 0)
+        self._rng = noise.generator(worker) if noise is not None else None
+
+    def timed(self, plan: SchedulerOutput) -> IterationCost:
+        """The plan's cost on this (possibly noisy) machine, now."""
+        cost = self.cost_model.predict(plan)
+        if self.noise is None or self._rng is None:
+            return cost
+        return scaled(cost, self.noise.factor(plan, self.clock() / NS, self._rng))
 
     def execute(self, plan: SchedulerOutput) -> StepResult:
-        cost = self.last_cost = self.cost_model.predict(plan)
+        cost = self.last_cost = self.timed(plan)
         sampled = {}
         stop_at = self.stop_at
         for e in plan.scheduled:
@@ -89,7 +105,7 @@ class SimWorker:
         # engine learns from its measured ones (None under a fixed budget)
         self.learner: BudgetLearner | None = None
         if scheduler.scheduler_config.adaptive:
-            self.learner = warm_up_learner(scheduler, executor.cost_model)
+            self.learner = warm_up_learner(scheduler, executor)
 
     @property
     def has_work(self) -> bool:
