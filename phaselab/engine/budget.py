@@ -1,7 +1,7 @@
 """The adaptive budget's cost model on a real engine: seeded, then refitted from every iteration.
 
     start:  --slo-cost-file FILE (coefficients JSON, e.g. a previous run's config.json "slo" entry)
-            or a warm-up: core.online_cost.warm_up_shapes run as synthetic plans on the runner
+            or a warm-up: cost.online_fit.warm_up_shapes run as synthetic plans on the runner
             (borrowed KV blocks, garbage K/V, each shape twice: the first run pays first-touch costs)
     step:   the engine measures the iteration (schedule -> outputs handed over, the span a TBT
             target bounds) and BudgetLearner.observe refits; the scheduler gets the coefficients
