@@ -11,8 +11,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tests._model_helpers import bundled_gguf_path  # noqa: E402
+
+_TORCH_THREADS = torch.get_num_threads()  # this process's default, before any test
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """An engine built in this process with num_threads sets torch's process-wide thread count
+    (engine/engine.py); no test hands that setting to the next. Without this, the self-fidelity
+    test measured "this host" at 1 thread after test_disagg's in-process workers (num_threads=1)
+    in the full suite, and at 2 threads alone."""
+    yield
+    if torch.get_num_threads() != _TORCH_THREADS:
+        torch.set_num_threads(_TORCH_THREADS)
 
 
 @pytest.fixture(scope="session")
