@@ -13,8 +13,11 @@ req/s in a row), and the median of three came within 2 points of 20% in two plan
 predictions moved between 12.2 and 20.9 req/s (each plan calibrates on its own short run). A
 whole plan (calibration, search, verification) that misses is run again from scratch, up to
 ATTEMPTS times, each attempt judged alone at that fixed tolerance; every attempt's predicted and measured goodputs
-are printed. TIMEOUT_S (pytest-timeout) stops a hung run: one attempt took 19-25 s on a quiet
-2-core machine here, and 150 s with three runs beside a compiler at load average 6 (where the
+are printed. The plan serves the dtype the other workload tests serve
+(tests/_model_helpers.serving_dtype: bf16 where the CPU computes it natively, float32 elsewhere, as
+the engine's dtype=auto decides): plan's own default, bfloat16, is emulated by torch on an AVX2-only
+CPU, a path serve never picks there. TIMEOUT_S (pytest-timeout) stops a hung run: one attempt took
+19-25 s on a quiet 2-core machine here, and 150 s with three runs beside a compiler at load average 6 (where the
 measured goodput was 0: no request met the SLOs); three attempts at that pace fit in it.
 """
 
@@ -26,6 +29,7 @@ import statistics
 import pytest
 
 from phaselab.cli import main
+from tests._model_helpers import serving_dtype
 
 TTFT_S, TBT_S = 3.0, 0.5
 TOLERANCE = 0.2  # --verify-tolerance's documented default (phaselab/experiments/plan.py), passed explicitly
@@ -55,7 +59,7 @@ def test_plan_verify_runs_the_plan_and_reports_measured_next_to_predicted(tmp_pa
     seen = []
     for attempt in range(1, ATTEMPTS + 1):
         out, runs = tmp_path / f"plan-{attempt}.json", tmp_path / f"runs-{attempt}"
-        code = main(["plan", "--hardware", "cpu", "--slo-ttft-ms", str(TTFT_S * 1e3), "--slo-tbt-ms", str(TBT_S * 1e3),
+        code = main(["plan", "--hardware", "cpu", "--dtype", serving_dtype(), "--slo-ttft-ms", str(TTFT_S * 1e3), "--slo-tbt-ms", str(TBT_S * 1e3),
                      "--num-prompts", "6", "--input-len", "uniform:16:32", "--output-len", "uniform:3:5",
                      "--budgets", "32", "--max-num-seqs", "8", "--bisections", "1", "--verify", "--verify-top", "2",
                      "--verify-runs", str(RUNS), "--verify-tolerance", str(TOLERANCE), "--verify-dir", str(runs),
