@@ -6,12 +6,17 @@
 modeled cost, Prometheus observations, and keeping every record for the run directory. The
 per-request timestamps themselves are always taken. Trials alternate on/off on one engine so
 drift on a shared machine hits both sides alike; the figure is the median throughput ratio.
+
+The step timers (the attention / linear / elementwise split of a native decode step that
+iterations.jsonl records, docs/run-directory.md) are measured apart, recording on in both arms: the
+timers on and off alternated trial by trial, the median decode-only step of each arm compared (a
+median over thousands of steps: a throughput ratio cannot resolve a few microseconds a step on a
+shared machine).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -19,9 +24,11 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from _machine import cpu_model, write_json  # noqa: E402
 from phaselab import LLM, SamplingParams  # noqa: E402
 
 
@@ -74,21 +81,55 @@ def main() -> None:
             rates[mode].append(sum(len(o.token_ids) for o in outs) / dt)
             print(f"trial {t} recording {mode}: {rates[mode][-1]:.1f} output tok/s", file=sys.stderr, flush=True)
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    timers = step_timer_overhead(llm, params, args)
     result = {
         "benchmark": "record_overhead",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cpu": cpu_model(),
         "workload": vars(args),
         "output_tokens_per_s": {"recording_on": rates["on"], "recording_off": rates["off"]},
         "median_on": on,
         "median_off": off,
         "overhead_pct": 100 * (off - on) / off,
         "record_iteration_share_of_step_pct": direct_pct,
+        "step_timers": timers,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(f"recording: {direct_pct:.2f}% of step time spent in it; A/B overhead {result['overhead_pct']:.2f}% of throughput (median on {on:.1f} vs off {off:.1f} "
           f"tok/s); wrote {args.out}", file=sys.stderr)
+
+
+
+def step_timer_overhead(llm: LLM, params: SamplingParams, args: argparse.Namespace) -> dict[str, object]:
+    """Median decode-only step with the native call's timers on and off, alternated per trial."""
+    from phaselab.model import kernels
+
+    eng = llm.engine
+    eng.recording = True
+    if not eng.executor.step_timers:
+        return {"skipped": "this engine runs no native decode call with timers (PHASELAB_STEP_TIMERS=0, "
+                           "PHASELAB_DECODE_LAYERS=0 or no native kernels)"}
+    steps: dict[str, list[float]] = {"on": [], "off": []}
+    for t in range(args.trials):
+        for mode in ("on", "off") if t % 2 == 0 else ("off", "on"):
+            eng.executor.step_timers = mode == "on"
+            if mode == "on":
+                kernels.take_step_split()  # timers running, from zero
+            else:
+                kernels.decode_layers_profile(False)  # timers stopped: no clock reads in the call
+            n = len(eng.iterations)
+            llm.generate(workload(2000 + t, args.requests, args.prompt_len), params)
+            new = [r for r in list(eng.iterations)[n:] if r.num_prefill_tokens == 0 and r.num_decode_tokens > 0]
+            steps[mode] += [r.duration_s for r in new]
+            print(f"trial {t} step timers {mode}: median decode step {statistics.median(steps[mode]) * 1e3:.3f} ms "
+                  f"({len(new)} steps)", file=sys.stderr, flush=True)
+    eng.executor.step_timers = True
+    kernels.take_step_split()
+    on, off = statistics.median(steps["on"]), statistics.median(steps["off"])
+    print(f"step timers: median decode step {on * 1e3:.3f} ms on vs {off * 1e3:.3f} ms off "
+          f"({100 * (on - off) / off:+.2f}%)", file=sys.stderr, flush=True)
+    return {"median_step_on_s": on, "median_step_off_s": off, "overhead_pct": 100 * (on - off) / off,
+            "num_steps": {k: len(v) for k, v in steps.items()}}
 
 
 if __name__ == "__main__":

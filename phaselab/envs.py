@@ -57,6 +57,9 @@ NATIVE_ELEMENTWISE = EnvVar("PHASELAB_NATIVE_ELEMENTWISE", "1",
                             "0: torch's residual add + RMSNorm and SiLU * up instead of elementwise.c")
 DECODE_LAYERS = EnvVar("PHASELAB_DECODE_LAYERS", "1",
                        "0: the Python layer loop instead of one native call for a decode-only step")
+STEP_TIMERS = EnvVar("PHASELAB_STEP_TIMERS", "1",
+                     "0: no attention / linear / elementwise timers inside the native decode call (the split "
+                     "iterations.jsonl records)")
 
 # linear layers: each forces what the start-up probe would otherwise measure (unset: measured)
 LINEAR = EnvVar("PHASELAB_LINEAR", None, "the linear path: q | bf16 | fp32 | torch (unset: --weights, else the probe)")

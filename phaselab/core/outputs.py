@@ -90,6 +90,9 @@ class StepResult:
     prepare_ns: int = 0
     forward_ns: int = 0
     sample_ns: int = 0
+    # the forward's own split where it ran as one native decode call, timed inside it (ns per kind:
+    # attention, linear, elementwise; timing.IterationRecord names them); None where it did not
+    split_ns: dict[str, int] | None = None
 
 
 @dataclass

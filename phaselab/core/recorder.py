@@ -34,7 +34,7 @@ from typing import Protocol
 
 from phaselab.core.outputs import RequestDelta, SchedulerOutput
 from phaselab.core.adaptive_budget import budget_fields
-from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk
+from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk, split_fields
 from phaselab.cost.formulas import ModeledCost
 
 
@@ -143,7 +143,7 @@ class PhaseRecorder:
     def iteration(self, plan: SchedulerOutput, *, start_ns: int, end_ns: int, prepare_ns: int, forward_ns: int,
                   sample_ns: int, num_running: int, num_waiting: int, modeled: ModeledCost,
                   schedule_ns: int = 0, output_ns: int = 0, worker: str | None = None, role: str | None = None,
-                  predicted_s: float | None = None) -> IterationRecord | None:
+                  predicted_s: float | None = None, split_ns: dict[str, int] | None = None) -> IterationRecord | None:
         """The IterationRecord of one non-empty iteration, observed and (keep) kept."""
         if plan.is_empty or not self.enabled:
             return None
@@ -164,7 +164,7 @@ class PhaseRecorder:
             num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
             num_running=num_running, num_waiting=num_waiting,
             preempted_request_ids=list(plan.preempted_request_ids), modeled=modeled,
-            **budget_fields(plan, predicted_s))
+            **budget_fields(plan, predicted_s), **split_fields(split_ns))
         self.add_iteration(rec)
         return rec
 

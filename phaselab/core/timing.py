@@ -269,7 +269,36 @@ class IterationRecord:
     slo_tbt_s: float | None = None  # the target it aimed at (under target x (1 - margin))
     slo_feasible: bool | None = None  # False: even min_chunk (or the decodes alone) was predicted over it
     predicted_ns: int | None = None  # the online cost model's time for this plan, before it learned from it
+    # MEASURED inside a step whose forward ran as one native decode call (model/kernels/decode_layers.c,
+    # its per-kernel timers; None on every other step): attention = RoPE + K/V write + paged attention
+    # over the history; linear = the layers' four projections and the LM head; elementwise = norms,
+    # SiLU * up and the embedding rows. The rest of the step (other_ns) is Python, scheduling, sampling
+    # and output handling.
+    attention_ns: int | None = None
+    linear_ns: int | None = None
+    elementwise_ns: int | None = None
 
     @property
     def duration_s(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
+
+    @property
+    def has_split(self) -> bool:
+        return self.attention_ns is not None
+
+    @property
+    def other_ns(self) -> int | None:
+        """The step's time outside the native call's kernels (None without a measured split)."""
+        if self.attention_ns is None:
+            return None
+        return (self.end_ns - self.start_ns) - self.attention_ns - (self.linear_ns or 0) - (self.elementwise_ns or 0)
+
+
+SPLIT_KINDS = ("attention", "linear", "elementwise")  # IterationRecord's measured split, <kind>_ns
+
+
+def split_fields(split_ns: dict[str, int] | None) -> dict[str, int]:
+    """IterationRecord's split fields from an executor's StepResult.split_ns (nothing when None)."""
+    if split_ns is None:
+        return {}
+    return {f"{kind}_ns": int(split_ns.get(kind, 0)) for kind in SPLIT_KINDS}

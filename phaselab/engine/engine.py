@@ -399,7 +399,7 @@ class LLMEngine:
             plan, start_ns=t0, end_ns=t3, schedule_ns=t1 - t0, prepare_ns=result.prepare_ns,
             forward_ns=result.forward_ns, sample_ns=result.sample_ns, output_ns=t3 - t2,
             num_running=sched.num_running, num_waiting=sched.num_waiting,
-            modeled=self.cost_formulas.of_plan(plan), predicted_s=predicted_s)
+            modeled=self.cost_formulas.of_plan(plan), predicted_s=predicted_s, split_ns=result.split_ns)
 
     def _observe_iteration(self, rec: IterationRecord) -> None:
         """Prometheus of one iteration, and the prefix-cache counters since the last."""

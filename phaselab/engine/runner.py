@@ -56,6 +56,11 @@ class ModelRunner:
         # a fused decode step's decoder layers as one native call (kernels.decode_layers, bit-identical to
         # the layer loop on the calls above; PHASELAB_DECODE_LAYERS=0 keeps the loop)
         model.decode_layers = not envs.DECODE_LAYERS.off()
+        # that call's own timers (attention / linear / elementwise per step, recorded in iterations.jsonl:
+        # two clock reads per kernel call; PHASELAB_STEP_TIMERS=0 turns them off)
+        self.step_timers = model.decode_layers and kernels.available() and not envs.STEP_TIMERS.off()
+        if self.step_timers:
+            kernels.take_step_split()  # starts them, from zero
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
         self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 
@@ -95,6 +100,8 @@ class ModelRunner:
                     result.logprobs[s.request_id] = lp
         t3 = time.perf_counter_ns()
         result.prepare_ns, result.forward_ns, result.sample_ns = t1 - t0, t2 - t1, t3 - t2
+        if self.step_timers:
+            result.split_ns = kernels.take_step_split()
         return result
 
     def _prepare(self, scheduled: list[ScheduledRequest]):  # type: ignore[no-untyped-def]

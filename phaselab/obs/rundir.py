@@ -83,6 +83,7 @@ def iteration_to_json(rec: IterationRecord) -> dict[str, Any]:
         "record": "iteration",
         **d,
         "duration_s": rec.duration_s,
+        "other_ns": rec.other_ns,  # derived: the step outside the measured split (None without one)
         **{MODELED_PREFIX + k: v for k, v in modeled.items()},
         "modeled_total_bytes": rec.modeled.total_bytes,
         "modeled_flops": rec.modeled.flops,

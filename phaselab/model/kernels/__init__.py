@@ -38,7 +38,7 @@ import phaselab.model.kernels.library as library
 from phaselab import envs
 from phaselab.model.kernels.build import ISA_FLAGS, build_key, cache_dir, kernel_isa  # noqa: F401 (re-exported)
 from phaselab.model.kernels.decode_call import (  # noqa: F401 (re-exported)
-    DECODE_LAYERS_KINDS, DecodeEnds, DecodeLayer, decode_forward, decode_layers, decode_layers_profile)
+    DECODE_LAYERS_KINDS, DecodeEnds, DecodeLayer, decode_forward, decode_layers, decode_layers_profile, take_step_split)
 
 # PHASELAB_PREFILL_ATTN values -> prefill_attend's `mode` (None: the torch path)
 PREFILL_MODES = {"auto": 0, "amx": 4, "dpbf16": 3, "avx512": 1, "c": 2, "torch": None}

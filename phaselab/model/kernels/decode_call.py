@@ -119,3 +119,21 @@ def decode_layers_profile(on: bool) -> dict[str, float]:
     lib.decode_layers_profile(int(on), ns)
     return {k: v / 1e9 for k, v in zip(DECODE_LAYERS_KINDS, ns)}
 
+
+# the kinds of a decode step's split as the records name it (core/timing.py StepSplit)
+STEP_SPLIT_KINDS = {"attention": ("attention",), "linear": ("qkv", "o", "gate_up", "down", "head"),
+                    "elementwise": ("norm", "silu_mul", "embed")}
+
+
+def take_step_split() -> dict[str, int] | None:
+    """The native decode call's time since the last take, in ns per STEP_SPLIT_KINDS kind, and the
+    timers zeroed and left running; None when no native decode call ran since (the timers read 0).
+    The engine's runner takes it after every forward (engine/runner.py): one read per step."""
+    lib = _require("decode_layers")
+    ns = (ctypes.c_int64 * len(DECODE_LAYERS_KINDS))()
+    lib.decode_layers_profile(1, ns)
+    by_kind = dict(zip(DECODE_LAYERS_KINDS, ns))
+    if not any(by_kind.values()):
+        return None
+    return {kind: int(sum(by_kind[k] for k in parts)) for kind, parts in STEP_SPLIT_KINDS.items()}
+
