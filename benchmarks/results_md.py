@@ -388,8 +388,19 @@ def served_section(results: str, doc: dict | None, served_md: str | None) -> lis
     import glob
 
     out: list[str] = []
+    # the protocol's runs on other machines (serve_vs_peers.py --out results/serve_vs_peers_rounds_<cpu>.json),
+    # each with its own markdown: a CPU's ratios are never carried to another
+    others = []
+    for path in sorted(glob.glob(os.path.join(results, "serve_vs_peers_rounds_*.json"))):
+        md = os.path.splitext(path)[0] + ".md"
+        other = load(path)
+        if other is not None and other.get("protocol") and os.path.exists(md):
+            with open(md) as f:
+                others += f.read().strip().splitlines() + [""]
     if doc is not None and doc.get("protocol") and served_md:
-        out += served_md.strip().splitlines() + [""]
+        out += served_md.strip().splitlines() + [""] + others
+    elif others:
+        out += others
     else:
         out += ["No results of the rounds protocol yet: run `python benchmarks/serve_vs_peers.py` (about 40 "
                 "minutes with the peers of `../shared/peers` installed).", ""]
