@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--timer-tokens", type=int, default=400, help="decode steps per trial of the step-timer A/B")
     ap.add_argument("--out", default="benchmarks/results/record_overhead.json")
     args = ap.parse_args()
     llm = LLM(dtype=args.dtype, kv_cache_memory="1GiB", max_model_len=2048, enable_prefix_caching=False)
@@ -81,7 +82,7 @@ def main() -> None:
             rates[mode].append(sum(len(o.token_ids) for o in outs) / dt)
             print(f"trial {t} recording {mode}: {rates[mode][-1]:.1f} output tok/s", file=sys.stderr, flush=True)
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
-    timers = step_timer_overhead(llm, params, args)
+    timers = step_timer_overhead(llm, args)
     result = {
         "benchmark": "record_overhead",
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -100,7 +101,7 @@ def main() -> None:
 
 
 
-def step_timer_overhead(llm: LLM, params: SamplingParams, args: argparse.Namespace) -> dict[str, object]:
+def step_timer_overhead(llm: LLM, args: argparse.Namespace) -> dict[str, object]:
     """Median decode-only step with the native call's timers on and off, alternated per trial."""
     from phaselab.model import kernels
 
@@ -118,7 +119,9 @@ def step_timer_overhead(llm: LLM, params: SamplingParams, args: argparse.Namespa
             else:
                 kernels.decode_layers_profile(False)  # timers stopped: no clock reads in the call
             n = len(eng.iterations)
-            llm.generate(workload(2000 + t, args.requests, args.prompt_len), params)
+            # batch 1, many steps: where a step is shortest the timers' clock reads weigh most
+            llm.generate(workload(2000 + t, 1, args.prompt_len),
+                         SamplingParams(temperature=0, max_tokens=args.timer_tokens, ignore_eos=True))
             new = [r for r in list(eng.iterations)[n:] if r.num_prefill_tokens == 0 and r.num_decode_tokens > 0]
             steps[mode] += [r.duration_s for r in new]
             print(f"trial {t} step timers {mode}: median decode step {statistics.median(steps[mode]) * 1e3:.3f} ms "
