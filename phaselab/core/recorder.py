@@ -34,7 +34,7 @@ from typing import Protocol
 
 from phaselab.core.outputs import RequestDelta, SchedulerOutput
 from phaselab.core.adaptive_budget import budget_fields
-from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk, split_fields
+from phaselab.core.timing import IterationRecord, RequestMetrics, ScheduledChunk, with_split
 from phaselab.cost.formulas import ModeledCost
 
 
@@ -156,7 +156,7 @@ class PhaseRecorder:
             else:
                 num_decode += n
             chunks.append(ScheduledChunk(s.request_id, n, s.is_prefill, s.start_position + n))
-        rec = IterationRecord(
+        rec = with_split(IterationRecord(
             iteration_id=plan.iteration_id, worker=self.worker if worker is None else worker,
             role=self.role if role is None else role, start_ns=start_ns, end_ns=end_ns, schedule_ns=schedule_ns,
             prepare_ns=prepare_ns, forward_ns=forward_ns, sample_ns=sample_ns, output_ns=output_ns,
@@ -164,7 +164,7 @@ class PhaseRecorder:
             num_blocks_used=plan.num_used_blocks, num_blocks_free=plan.num_free_blocks,
             num_running=num_running, num_waiting=num_waiting,
             preempted_request_ids=list(plan.preempted_request_ids), modeled=modeled,
-            **budget_fields(plan, predicted_s), **split_fields(split_ns))
+            **budget_fields(plan, predicted_s)), split_ns)
         self.add_iteration(rec)
         return rec
 

@@ -294,11 +294,10 @@ class IterationRecord:
         return (self.end_ns - self.start_ns) - self.attention_ns - (self.linear_ns or 0) - (self.elementwise_ns or 0)
 
 
-SPLIT_KINDS = ("attention", "linear", "elementwise")  # IterationRecord's measured split, <kind>_ns
-
-
-def split_fields(split_ns: dict[str, int] | None) -> dict[str, int]:
-    """IterationRecord's split fields from an executor's StepResult.split_ns (nothing when None)."""
-    if split_ns is None:
-        return {}
-    return {f"{kind}_ns": int(split_ns.get(kind, 0)) for kind in SPLIT_KINDS}
+def with_split(rec: IterationRecord, split_ns: dict[str, int] | None) -> IterationRecord:
+    """`rec` with its measured split from an executor's StepResult.split_ns (unchanged when None)."""
+    if split_ns is not None:
+        rec.attention_ns = int(split_ns.get("attention", 0))
+        rec.linear_ns = int(split_ns.get("linear", 0))
+        rec.elementwise_ns = int(split_ns.get("elementwise", 0))
+    return rec

@@ -14,7 +14,7 @@ import torch
 from phaselab import envs
 from phaselab.core.outputs import ScheduledRequest, SchedulerOutput, StepResult
 from phaselab.model import hugepages, kernels
-from phaselab.model.attention import AttentionMetadata, PrefillSeq
+from phaselab.model.attention import AttentionMetadata, PrefillSeq, StepTimer
 from phaselab.model.llama import LlamaForCausalLM
 from phaselab.model.sampler import Sampler
 from phaselab.modelinfo.model_config import ModelConfig
@@ -56,11 +56,13 @@ class ModelRunner:
         # a fused decode step's decoder layers as one native call (kernels.decode_layers, bit-identical to
         # the layer loop on the calls above; PHASELAB_DECODE_LAYERS=0 keeps the loop)
         model.decode_layers = not envs.DECODE_LAYERS.off()
-        # that call's own timers (attention / linear / elementwise per step, recorded in iterations.jsonl:
-        # two clock reads per kernel call; PHASELAB_STEP_TIMERS=0 turns them off)
-        self.step_timers = model.decode_layers and kernels.available() and not envs.STEP_TIMERS.off()
-        if self.step_timers:
-            kernels.take_step_split()  # starts them, from zero
+        # a decode-only step's time by kind (attention / linear / elementwise, recorded in iterations.jsonl):
+        # the one native call times its kernels in C (two clock reads per kernel call), the Python layer
+        # loop and the Python ends around the layers-only call time theirs (attention.StepTimer);
+        # PHASELAB_STEP_TIMERS=0 turns both off
+        self.step_timers = self.fused_decode and not envs.STEP_TIMERS.off()
+        if self.step_timers and model.decode_layers:
+            kernels.take_step_split()  # starts the C timers, from zero
         # prefill chunks through the native bf16 kernel (PHASELAB_PREFILL_ATTN picks or forces the path)
         self.prefill_mode = kernels.prefill_mode(c.head_dim) if self.native_decode and dtype == torch.bfloat16 else None
 
@@ -88,6 +90,8 @@ class ModelRunner:
             return result
         t0 = time.perf_counter_ns()
         input_ids, positions, meta, logits_indices, sampling = self._prepare(plan.scheduled)
+        if self.step_timers and meta.fused_decode:  # a decode-only step: its split, wherever it runs
+            meta.timer = StepTimer()
         t1 = time.perf_counter_ns()
         with torch.inference_mode():
             logits = self.model(input_ids, positions, self.kv_caches, meta, logits_indices)
@@ -101,7 +105,8 @@ class ModelRunner:
         t3 = time.perf_counter_ns()
         result.prepare_ns, result.forward_ns, result.sample_ns = t1 - t0, t2 - t1, t3 - t2
         if self.step_timers:
-            result.split_ns = kernels.take_step_split()
+            native = kernels.take_step_split() if self.model.decode_layers else None
+            result.split_ns = _merged(native, meta.timer.split() if meta.timer else None)
         return result
 
     def _prepare(self, scheduled: list[ScheduledRequest]):  # type: ignore[no-untyped-def]
@@ -192,3 +197,11 @@ class ModelRunner:
         assert tuple(kv.shape) == expected, f"KV of shape {tuple(kv.shape)} for blocks shaped {expected}"
         index = torch.tensor(block_ids, dtype=torch.long)
         self.kv_caches.index_copy_(2, index, kv.to(self.kv_caches.dtype))
+
+
+def _merged(*splits: dict[str, int] | None) -> dict[str, int] | None:
+    """The per-kind sum of the step's splits that exist (the C call's and the Python parts'), else None."""
+    present = [x for x in splits if x]
+    if not present:
+        return None
+    return {k: sum(x.get(k, 0) for x in present) for k in ("attention", "linear", "elementwise")}

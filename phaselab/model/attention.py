@@ -23,6 +23,7 @@ shared by all layers.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,28 @@ class PrefillSeq:
     token_end: int
     start_position: int  # tokens of this request already in the cache before the chunk
     block_table: torch.Tensor  # (num_blocks_of_request,) int64
+
+
+@dataclass
+class StepTimer:
+    """A decode-only step's time by kind where the Python layer loop runs it (ns; the native one-call
+    path times its kernels in C, kernels.take_step_split): filled by the layers when the runner
+    passes one in `AttentionMetadata.timer` (engine/runner.py), read into the iteration record."""
+
+    attention: int = 0  # RoPE + K/V write + paged attention (the fused decode call)
+    linear: int = 0  # q/k/v, o, gate/up, down and the LM head
+    elementwise: int = 0  # norms and SiLU x up
+
+    def add(self, kind: str, start_ns: int) -> int:
+        """Add the time since start_ns to `kind`; returns now (the next part's start)."""
+        now = time.perf_counter_ns()
+        setattr(self, kind, getattr(self, kind) + now - start_ns)
+        return now
+
+    def split(self) -> dict[str, int] | None:
+        if not (self.attention or self.linear or self.elementwise):
+            return None
+        return {"attention": self.attention, "linear": self.linear, "elementwise": self.elementwise}
 
 
 @dataclass
@@ -63,6 +86,7 @@ class AttentionMetadata:
     # gathered into, reused by every layer: a fresh multi-MB tensor per layer costs page faults
     decode_workspace: torch.Tensor | None = None
     block_size: int = knob("block_size")
+    timer: StepTimer | None = None  # a decode-only step's timer (the runner's step timers), else None
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

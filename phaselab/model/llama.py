@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -135,11 +136,18 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = x.shape[0]
+        tm = meta.timer
+        t = time.perf_counter_ns() if tm is not None else 0
         qkv = self.qkv_proj(x)
         if meta.fused_decode:
+            t = tm.add("linear", t) if tm is not None else 0
             out = kernels.decode_rope_attend(qkv, cos, sin, kv_cache, meta.slot_mapping, meta.decode_block_tables,
                                              meta.decode_seq_lens, self.num_heads, self.scale)
-            return self.o_proj(out)
+            t = tm.add("attention", t) if tm is not None else 0
+            out = self.o_proj(out)
+            if tm is not None:
+                tm.add("linear", t)
+            return out
         if meta.native_rope:  # bf16, every read from the cache: RoPE + K/V write in one call
             q = kernels.rope_write_kv(qkv, cos, sin, kv_cache, meta.slot_mapping, self.num_heads)
             return self.o_proj(paged_attention(q, None, None, kv_cache, meta, self.scale).reshape(T, self.q_size))
@@ -160,10 +168,14 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        if native:  # SiLU(gate) * up in one call (kernels.silu_mul, torch's roundings)
-            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x), native))
+
+    def act(self, gate_up: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """SiLU(gate) * up of the fused projection (`native`: one call, kernels.silu_mul, torch's roundings)."""
+        if native:
+            return kernels.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -180,10 +192,24 @@ class DecoderLayer(nn.Module):
         Same values as h + attn(norm(h)), then h + mlp(norm(h)): the adds happen in the same order."""
         if residual is None:  # the first layer: the embedding is the residual stream, nothing to add yet
             h, residual = None, h
+        tm = meta.timer
+        t = time.perf_counter_ns() if tm is not None else 0
         x, residual = self.input_layernorm.add_norm(h, residual, native)
-        a = self.self_attn(x, cos, sin, kv_cache, meta)
+        if tm is not None:
+            tm.add("elementwise", t)
+        a = self.self_attn(x, cos, sin, kv_cache, meta)  # times its own parts
+        t = time.perf_counter_ns() if tm is not None else 0
         x, residual = self.post_attention_layernorm.add_norm(a, residual, native)
-        return self.mlp(x, native), residual
+        if tm is None:
+            return self.mlp(x, native), residual
+        t = tm.add("elementwise", t)
+        gate_up = self.mlp.gate_up_proj(x)
+        t = tm.add("linear", t)
+        act = self.mlp.act(gate_up, native)
+        t = tm.add("elementwise", t)
+        out = self.mlp.down_proj(act)
+        tm.add("linear", t)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -318,8 +344,13 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None, "a model has at least one layer"
         if logits_indices is not None:  # only the rows that sample go through the norm and LM head (copies)
             h, residual = h[logits_indices], residual[logits_indices]
+        tm = meta.timer
+        t = time.perf_counter_ns() if tm is not None else 0
         h, _ = self.model.norm.add_norm(h, residual, native)
+        t = tm.add("elementwise", t) if tm is not None else 0
         logits = self.head(h) if self.head is not None else F.linear(h, self.lm_head_weight)
+        if tm is not None:
+            tm.add("linear", t)
         return kernels.to_float(logits) if native else logits.float()  # (rows, vocab) fp32
 
     # -- loading ------------------------------------------------------------------------------
