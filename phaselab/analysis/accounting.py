@@ -27,6 +27,16 @@ cause. Each later gap is cut in this order:
 The iterations "in a gap" are those of the worker that sampled the token with ids in
 (iteration of the previous token, iteration of this token]: exact, because a worker's iteration
 ids are one counter. After the last token, the tail up to `finished` is overhead.
+
+**Avoidable time** (what the ranking scores): of each cause's seconds, the part over what the same
+work costs without the cause, measured from a stated baseline (BASELINES): the queue's wait, a
+stall's excess over the stream's own pace, the KV-capacity spans, a transfer, the overhead are
+avoidable whole; of prefill, the waits between chunks and the compute of prompt tokens that repeat
+an earlier request's beginning (a prefix cache skips them); of decode-kv, the K/V reads (the same
+steps with no history would not make them); of the per-step decode cost (decode-step, or decode
+where unsplit), each gap's time over the run's normal pace for a step of that batch (the median
+step at that batch size, its K/V part aside). Time spent decoding at the engine's normal pace is not
+a cause: a machine that runs every step slower (a busy neighbour) slows the pace, not the ranking.
 """
 
 from __future__ import annotations
@@ -52,6 +62,20 @@ TTFT_CAUSE = {
 }
 
 STALL_FACTOR = 3.0  # a gap longer than 3 x the stream's baseline is a stall (as `phaselab bench`)
+
+# what each cause's avoidable time is measured from (docs/analysis.md, "Avoidable time")
+BASELINES = {
+    "queue": "admitted on arrival (no wait)",
+    "prefill": "the uncached, unrepeated prompt tokens computed back to back (no waits between chunks, "
+               "repeated prefixes served by a prefix cache)",
+    "transfer": "colocated serving (no KV moved)",
+    "stall": "each stream's own pace (the median gap of its steps that carried no other request's prefill)",
+    "kv-capacity": "a cache large enough for the load (no preemption, no wait for blocks)",
+    "decode-kv": "the same steps with no history to read (their K/V-read part, measured)",
+    "decode-step": "the run's normal pace at each batch size (the median step at that batch, K/V part aside)",
+    "decode": "the run's normal pace at each batch size (the median step at that batch)",
+    "overhead": "none (tokenization, admission and delivery add nothing to the model's work)",
+}
 
 
 @dataclass
@@ -85,6 +109,7 @@ class RequestAccount:
     parts: dict[str, float]  # cause -> seconds; sums to e2e_s
     gaps: list[Gap] = field(default_factory=list)  # gaps with a stall excess
     kv: KVLoss = field(default_factory=KVLoss)
+    avoidable: dict[str, float] = field(default_factory=dict)  # cause -> seconds over its baseline (<= parts)
 
 
 @dataclass
@@ -94,6 +119,11 @@ class RunAccount:
     total_s: float  # sum of E2E
     decode_split: bool  # decode time split into decode-kv / decode-step (a separable attribution)
     attribution: dict[str, DecodeAttribution] = field(default_factory=dict)  # per worker
+    avoidable: dict[str, float] = field(default_factory=dict)  # cause -> avoidable seconds over requests
+
+    def avoidable_share(self, cause: str) -> float:
+        """A cause's avoidable time as a share of the run's summed E2E."""
+        return self.avoidable.get(cause, 0.0) / self.total_s if self.total_s > 0 else 0.0
 
     @property
     def num_preemptions(self) -> int:
@@ -202,10 +232,50 @@ def _gap_views(m: RequestMetrics, index: IterationIndex) -> list[_GapView]:
     return views
 
 
+class Pace:
+    """Each worker's normal pace per batch size: the median decode-only step at that batch, its
+    measured K/V part aside where the decode is split (the avoidable per-step time's baseline)."""
+
+    MIN_STEPS = 3
+
+    def __init__(self, index: IterationIndex, attribution: dict[str, DecodeAttribution]) -> None:
+        per: dict[str, dict[int, list[float]]] = {}
+        for (worker, _), r in index.by_key.items():
+            if r.num_prefill_tokens or not r.num_decode_tokens:
+                continue
+            att = attribution.get(worker)
+            f = att.kv_fraction(r) if att is not None and att.separable else 0.0
+            per.setdefault(worker, {}).setdefault(r.num_decode_tokens, []).append(r.duration_s * (1 - f))
+        self.by_batch = {w: {b: float(median(v) or 0.0) for b, v in bs.items() if len(v) >= self.MIN_STEPS}
+                         for w, bs in per.items()}
+        self.overall = {w: float(median([x for v in bs.values() for x in v]) or 0.0) for w, bs in per.items()}
+
+    def at(self, worker: str, batch: int) -> float | None:
+        """The pace at `batch`, else at the nearest batch measured often enough, else the worker's median step."""
+        paces = self.by_batch.get(worker) or {}
+        if batch in paces:
+            return paces[batch]
+        if paces:
+            return paces[min(paces, key=lambda b: (abs(b - batch), b))]
+        return self.overall.get(worker)
+
+
+def _prefill_avoidable(m: RequestMetrics, ttft_parts: dict[str, int], prefill_s: float) -> float:
+    """The waits between the request's chunks, and the compute of its prompt tokens that repeated an
+    earlier request's beginning without a cache hit (at the request's own cost per computed token)."""
+    computed = max(0, m.num_prompt_tokens - m.num_cached_tokens)
+    repeated = max(0, m.num_repeat_tokens - m.num_cached_tokens)
+    frac = min(1.0, repeated / computed) if computed else 0.0
+    return min(prefill_s, ttft_parts.get("prefill_wait", 0) / 1e9 + frac * ttft_parts.get("prefill_compute", 0) / 1e9)
+
+
 def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: dict[str, float],
                     views: list[_GapView] | None = None, kv: KVLoss | None = None,
-                    attribution: dict[str, DecodeAttribution] | None = None) -> RequestAccount:
+                    attribution: dict[str, DecodeAttribution] | None = None,
+                    pace: Pace | None = None) -> RequestAccount:
     parts = dict.fromkeys(CAUSES, 0.0)
+    avoid = dict.fromkeys(CAUSES, 0.0)
+    whole = ("queue", "transfer", "stall", "kv-capacity", "overhead")  # avoidable entirely (BASELINES)
     kv = kv or KVLoss()
     spans = kv.spans()
     ts = _sent(m)
@@ -222,7 +292,8 @@ def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: d
             parts["prefill"] = max(0.0, min(m.prefill_compute_s, e2e - spent))
             spent += parts["prefill"]
         parts["overhead"] = max(0.0, e2e - spent)
-        return RequestAccount(m.request_id, e2e, ttft, parts, kv=kv)
+        avoid.update({c: parts[c] for c in whole})
+        return RequestAccount(m.request_id, e2e, ttft, parts, kv=kv, avoidable=avoid)
 
     ttft_parts = m.ttft_components_ns()
     for phase, ns in ttft_parts.items():
@@ -236,6 +307,7 @@ def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: d
         parts["queue"] -= moved_q
         parts["prefill"] -= moved_p
         parts["kv-capacity"] += moved_q + moved_p
+    avoid["prefill"] = _prefill_avoidable(m, ttft_parts, parts["prefill"])
     views = _gap_views(m, index) if views is None else views
     clean = [(v.end_ns - v.start_ns) / 1e9 for v in views if v.clean]
     own_median = median([(v.end_ns - v.start_ns - v.transfer_ns) / 1e9 for v in views if v.iters])
@@ -262,14 +334,22 @@ def account_request(m: RequestMetrics, index: IterationIndex, worker_baseline: d
                             [r.iteration_id for r in v.other_prefill], culprits))
             rest -= excess
         att = (attribution or {}).get(v.worker)
+        # the gap's normal pace: the worker's median step at the batch that sampled the token; without
+        # iterations (a client's run) the request's own baseline
+        normal = pace.at(v.worker, v.sampler.num_decode_tokens) if pace and v.sampler is not None else None
+        normal = baseline if normal is None else normal
         if att is None or not att.separable:
             parts["decode"] += rest
+            avoid["decode"] += max(0.0, rest - normal)
         else:
             f = att.kv_fraction(v.sampler) if v.sampler is not None else 0.0
             parts["decode-kv"] += rest * f
             parts["decode-step"] += rest * (1 - f)
+            avoid["decode-kv"] += rest * f
+            avoid["decode-step"] += max(0.0, rest * (1 - f) - normal)
     parts["overhead"] += max(0, end_ns - ts[-1]) / 1e9
-    return RequestAccount(m.request_id, e2e, ttft, parts, gaps, kv)
+    avoid.update({c: parts[c] for c in whole})
+    return RequestAccount(m.request_id, e2e, ttft, parts, gaps, kv, avoid)
 
 
 def worker_baselines(views: Iterable[list[_GapView]]) -> dict[str, float]:
@@ -293,11 +373,15 @@ def account_run(requests: list[RequestMetrics], iterations: list[IterationRecord
     by_worker = {w: [index.by_key[(w, i)] for i in ids] for w, ids in index.ids.items()}
     losses = [request_loss(m, by_worker.get(m.worker, []), limits) for m in requests]
     attribution = attribute_workers(iterations, bandwidth)
-    accounts = [account_request(m, index, baselines, v, kv, attribution)
+    pace = Pace(index, attribution)
+    accounts = [account_request(m, index, baselines, v, kv, attribution, pace)
                 for m, v, kv in zip(requests, views, losses)]
     totals = dict.fromkeys(CAUSES, 0.0)
+    avoidable = dict.fromkeys(CAUSES, 0.0)
     for a in accounts:
         for c, v in a.parts.items():
             totals[c] += v
+        for c, v in a.avoidable.items():
+            avoidable[c] += v
     return RunAccount(accounts, totals, sum(a.e2e_s for a in accounts),
-                      any(a.separable for a in attribution.values()), attribution)
+                      any(a.separable for a in attribution.values()), attribution, avoidable)

@@ -1,6 +1,15 @@
 """Measured attribution of decode time: weights, K/V reads and per-step overhead, from the run's
 own decode-only iterations, not from modeled byte shares.
 
+Two measurements, the first wherever it exists:
+
+- **timed** (`method="timers"`): the engine's native decode call times its own kernels every step
+  (iterations.jsonl's attention_ns / linear_ns / elementwise_ns, docs/run-directory.md); a step's K/V
+  share is its attention time over its duration, the weights' its linear time, the rest overhead.
+  Needs no spread in batch or history: one batch at one context length is split as well as any.
+- **regression** (`method="regression"`), where no timer exists (a run of another server read from
+  outside, the Python decode path), below:
+
     step_s = a + b * batch + c * context_tokens          (least absolute deviations, a, b, c >= their floors)
               │     │            └─ K/V reads: c per token of history a decode attends to
               │     └─ per sequence in the batch (sampling, per-token compute): overhead
@@ -48,15 +57,28 @@ class DecodeAttribution:
     r2: float = 0.0
     shares: dict[str, float] | None = None  # weights / kv / overhead of the decode steps' time
     bounded: bool = False  # the floors of a measured roofline were applied
+    method: str = "regression"  # "timers": the steps' own kernel timers; "regression": the fit above
+    mean_kv_fraction: float = 0.0  # timers: the K/V share of the timed steps (a step without timers gets it)
 
     def predict(self, batch: float, context: float) -> float:
         return self.per_step_s + self.per_seq_s * batch + self.per_kv_token_s * context
 
     def kv_fraction(self, rec: IterationRecord) -> float:
         """Measured share of this iteration's time that its K/V reads explain."""
+        if self.method == "timers":
+            if rec.attention_ns is not None and rec.end_ns > rec.start_ns:
+                return min(1.0, rec.attention_ns / (rec.end_ns - rec.start_ns))
+            return self.mean_kv_fraction
         ctx = sum(c.context_len for c in rec.chunks if not c.is_prefill)
         total = self.predict(rec.num_decode_tokens, ctx)
         return min(1.0, self.per_kv_token_s * ctx / total) if total > 0 else 0.0
+
+    def describe(self) -> str:
+        """Which measurement split the decode time, in words."""
+        if self.method == "timers":
+            return f"the engine's own kernel timers of {self.num_steps} decode steps (MEASURED)"
+        return (f"a fit of {self.num_steps} decode steps' times against batch and history (MEASURED, regression: "
+                "no kernel timers in this run)")
 
 
 def _nonneg_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -159,15 +181,40 @@ def attribute_decode(steps: list[IterationRecord], bandwidth: float | None, kv_b
                              float(weights), math.sqrt(float(resid @ resid) / n), r2, shares, bool(bandwidth))
 
 
+TIMED_SHARE = 0.5  # at least this share of a worker's decode steps timed: its split comes from the timers
+
+
+def timed_attribution(steps: list[IterationRecord]) -> DecodeAttribution:
+    """The split the steps' own kernel timers measured: K/V reads = attention, weights = the linear
+    layers, overhead = the rest (elementwise kernels, Python, scheduling, sampling, output)."""
+    timed = [r for r in steps if r.has_split]
+    total_ns = sum(r.end_ns - r.start_ns for r in timed)
+    attn = sum(r.attention_ns or 0 for r in timed)
+    linear = sum(r.linear_ns or 0 for r in timed)
+    ctx = sum(c.context_len for r in timed for c in r.chunks)
+    kv = attn / total_ns if total_ns > 0 else 0.0
+    shares = {"weights": linear / total_ns if total_ns > 0 else 0.0, "kv": kv}
+    shares["overhead"] = max(0.0, 1.0 - shares["weights"] - kv)
+    n = len(timed)
+    return DecodeAttribution(True, "", n, per_step_s=linear / 1e9 / n if n else 0.0,
+                             per_kv_token_s=attn / 1e9 / ctx if ctx else 0.0, ci=(0.0, 0.0, 0.0),
+                             weights_s=linear / 1e9 / n if n else 0.0, shares=shares, method="timers",
+                             mean_kv_fraction=kv)
+
+
 def attribute_workers(iterations: list[IterationRecord], bandwidth: float | None) -> dict[str, DecodeAttribution]:
     """One attribution per worker, from its own decode-only iterations (a disaggregated run's
-    prefill workers have none and get a 'not separable')."""
+    prefill workers have none and get a 'not separable'): the kernel timers where most of its steps
+    carry them, else the regression."""
     by_worker: dict[str, list[IterationRecord]] = {}
     for r in iterations:
         if r.num_prefill_tokens == 0 and r.num_decode_tokens > 0:
             by_worker.setdefault(r.worker, []).append(r)
     out = {}
     for w, steps in by_worker.items():
+        if sum(r.has_split for r in steps) >= max(1, TIMED_SHARE * len(steps)):
+            out[w] = timed_attribution(steps)
+            continue
         ctx = sum(c.context_len for r in steps for c in r.chunks)
         # the floor counts what memory must move: a block several sequences of a step share (a
         # cached prefix) once, not once per reader (a 32-way shared prefix measured 25% below

@@ -15,9 +15,12 @@ Works through the symptom table (docs/design.md, "Two phases, two remedies"), ro
 
 **Ranking.** Every request's end-to-end time is cut into causes that sum to it exactly
 (`analysis/accounting.py`): queue, prefill, transfer, stall, kv-capacity, decode-kv, decode-step,
-overhead. A cause's score is its share of the run's summed E2E: the share of all the time users
-spent waiting that it explains. Causes are ranked by that share; each finding carries its key
-figure, the evidence, the change it suggests and the number that would show the change worked.
+overhead. A cause's score is its avoidable time: the part of its seconds over what the same work
+costs without it, from a stated baseline (accounting.BASELINES: a stall over the stream's own pace,
+a decode step over the run's normal pace at that batch, ...), so time spent decoding at the
+engine's normal pace ranks no cause, however slow the machine. The raw shares of the summed E2E are
+kept beside it. Each finding carries its avoidable time and baseline, its symptom (key) figure, the
+evidence, the change it suggests and the number that would show the change worked.
 
     measures.py   the analyses of each symptom row and the run summary (numbers)
     findings.py   KeyFigure, Finding, one finding per cause, the ranking
@@ -80,6 +83,13 @@ class Diagnosis:
     def top(self) -> Finding | None:
         return self.findings[0] if self.findings else None
 
+    @property
+    def healthy(self) -> bool:
+        """No cause has avoidable time above HEALTHY_SHARE of the users' time."""
+        from phaselab.analysis.findings import HEALTHY_SHARE
+
+        return all(f.avoidable_share <= HEALTHY_SHARE for f in self.findings)
+
     def finding(self, cause: str) -> Finding | None:
         return next((f for f in self.findings if f.cause == cause), None)
 
@@ -91,12 +101,17 @@ class Diagnosis:
     def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path, "source": self.source,
-            "ranking": [{"rank": i + 1, "cause": f.cause, "title": f.title, "share": f.share, "seconds": f.seconds,
-                         "key_figure": asdict(f.key), "verdict": f.verdict, "evidence": f.evidence,
+            "healthy": self.healthy,
+            "ranking": [{"rank": i + 1, "cause": f.cause, "title": f.title, "avoidable_s": f.avoidable_s,
+                         "avoidable_share": f.avoidable_share, "baseline": f.baseline, "symptom": asdict(f.key),
+                         "share": f.share, "seconds": f.seconds, "key_figure": asdict(f.key), "verdict": f.verdict, "evidence": f.evidence,
                          "change": f.change, "check": f.check,
                          "prediction": f.prediction.to_json() if f.prediction else None}
                         for i, f in enumerate(self.findings)],
             "time_shares": self.account.shares, "time_seconds": self.account.totals,
+            "avoidable_seconds": self.account.avoidable,
+            "decode_split": {w: {"method": a.method, "separable": a.separable, "reason": a.reason,
+                                 "shares": a.shares} for w, a in self.account.attribution.items()},
             "summary": asdict(self.summary),
             "ttft": None if self.ttft is None else {
                 "total_s": self.ttft.total_s, "ttft_total_s": self.ttft.ttft_total_s,

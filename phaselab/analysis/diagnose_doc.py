@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from phaselab.analysis import fmt
 from phaselab.analysis.accounting import CAUSES
 from phaselab.analysis.doc import Bullets, Doc, Heading, Para, Table
+from phaselab.analysis.findings import HEALTHY_SHARE
 from phaselab.analysis.slo_judgement import slo_section
 
 if TYPE_CHECKING:
@@ -39,23 +40,40 @@ def _run_line(d: Diagnosis) -> str:
 def diagnosis_doc(d: Diagnosis) -> Doc:
     doc = Doc(f"phaselab diagnosis: {d.path or 'run'}")
     doc.add(Para(_run_line(d)))
-    if d.top is not None:
-        doc.add(Para(f"Top cause: **{d.top.cause}** ({d.top.title}), {fmt.pct(d.top.share)} of all request time. "
+    if d.healthy:
+        doc.add(Para(f"Healthy: no cause has avoidable time above {fmt.pct(HEALTHY_SHARE, 0)} of the users' time "
+                     f"(the largest, {d.top.cause if d.top else '—'}, "
+                     f"{fmt.pct(d.top.avoidable_share if d.top else 0.0)}); the time is the work itself at this "
+                     "machine's pace.", "verdict"))
+    elif d.top is not None:
+        doc.add(Para(f"Top cause: **{d.top.cause}** ({d.top.title}): {fmt.s(d.top.avoidable_s)} avoidable, "
+                     f"{fmt.pct(d.top.avoidable_share)} of all request time, over {d.top.baseline}. "
                      f"{d.top.verdict}.", "verdict"))
 
-    doc.add(Heading("Ranked causes", anchor="ranking"))
-    doc.add(Table(["#", "cause", "share of request time", "time", "key figure"],
-                  [[str(i + 1), f.cause, fmt.pct(f.share), fmt.s(f.seconds), f.key.text()]
+    doc.add(Heading("Ranked causes: avoidable time", anchor="ranking"))
+    doc.add(Table(["#", "cause", "avoidable time", "avoidable share", "measured from", "symptom figure"],
+                  [[str(i + 1), f.cause, fmt.s(f.avoidable_s), fmt.pct(f.avoidable_share), f.baseline, f.key.text()]
                    for i, f in enumerate(d.findings)],
-                  caption="Each request's end-to-end time is cut into causes that sum to it; a cause's share is its "
-                          "part of the summed E2E of all requests (docs/analysis.md).",
-                  css="ranking", align_left=2))
+                  caption="Ranked by avoidable time: a cause's seconds over what the same work costs without it, "
+                          "measured from the baseline named (docs/analysis.md, 'Avoidable time'); the symptom "
+                          "figure is the one each cause's change is judged on.",
+                  css="ranking", align_left=4))
+    doc.add(Heading("Where the time went (raw shares)", anchor="time"))
+    doc.add(Table(["cause", "seconds (all requests)", "share", "of which avoidable"],
+                  [[c, f"{d.account.totals[c]:.3f}", fmt.pct(d.account.shares[c]),
+                    f"{d.account.avoidable.get(c, 0.0):.3f}"] for c in CAUSES if d.account.totals[c] > 0]
+                  + [["total (sum of E2E)", f"{d.account.total_s:.3f}", "100.0%",
+                      f"{sum(d.account.avoidable.values()):.3f}"]],
+                  caption="Each request's end-to-end time cut into causes that sum to it; a cause's raw share is its "
+                          "part of the summed E2E of all requests, avoidable or not."))
 
     doc.add(Heading("Verdicts", anchor="verdicts"))
-    shown = [f for f in d.findings if f.share >= MIN_VERDICT_SHARE][:MAX_VERDICTS] or d.findings[:1]
+    shown = [f for f in d.findings if max(f.avoidable_share, f.share) >= MIN_VERDICT_SHARE][:MAX_VERDICTS] \
+        or d.findings[:1]
     decode_shown = False
     for i, f in enumerate(shown):
-        doc.add(Heading(f"{i + 1}. {f.cause}: {f.title} ({fmt.pct(f.share)})", level=3))
+        doc.add(Heading(f"{i + 1}. {f.cause}: {f.title} ({fmt.pct(f.avoidable_share)} avoidable, "
+                        f"{fmt.pct(f.share)} of the time)", level=3))
         doc.add(Para(f.verdict + ".", "verdict"))
         if f.cause in ("decode-kv", "decode-step") and decode_shown:
             doc.add(Bullets(["the decode evidence is listed under the other decode verdict above"]))
@@ -71,11 +89,6 @@ def diagnosis_doc(d: Diagnosis) -> Doc:
     slo_section(d.slo, doc)
     if d.external:
         _external_section(d, doc)
-    doc.add(Heading("Where the time went", anchor="time"))
-    doc.add(Table(["cause", "seconds (all requests)", "share"],
-                  [[c, f"{d.account.totals[c]:.3f}", fmt.pct(d.account.shares[c])] for c in CAUSES
-                   if d.account.totals[c] > 0]
-                  + [["total (sum of E2E)", f"{d.account.total_s:.3f}", "100.0%"]]))
     if d.notes:
         doc.add(Heading("Notes"))
         doc.add(Bullets(d.notes))

@@ -123,10 +123,19 @@ def diagnose_client_run(run: RunData, path: str | None, ceilings: Ceilings) -> A
         parts["stall"] = sum(g.excess_s for g in mine)
         e2e = m.e2e_s or 0.0
         parts["decode"] = max(0.0, e2e - ttft - parts["stall"])
-        accounts.append(RequestAccount(m.request_id, e2e, m.ttft_s, parts, mine))
+        # avoidable (accounting.BASELINES): the server's prefill has no repeat counts here; decode is the
+        # gaps over the request's own median gap (a stalled gap's excess is the stall's)
+        stalled = {g.token_index for g in mine}
+        ts = m.token_sent_ns
+        d = [(b - a) / 1e9 for a, b in zip(ts, ts[1:])]
+        pace = median(d) or 0.0
+        avoid = {c: (parts[c] if c in ("queue", "stall", "overhead") else 0.0) for c in CAUSES}
+        avoid["decode"] = sum(max(0.0, g - pace) for k, g in enumerate(d, start=1) if k not in stalled)
+        accounts.append(RequestAccount(m.request_id, e2e, m.ttft_s, parts, mine, avoidable=avoid))
         for cause, v in parts.items():
             totals[cause] += v
-    account = RunAccount(accounts, totals, sum(a.e2e_s for a in accounts), False)
+    avoidable = {c: sum(a.avoidable[c] for a in accounts) for c in CAUSES}
+    account = RunAccount(accounts, totals, sum(a.e2e_s for a in accounts), False, avoidable=avoidable)
 
     arrivals = sorted(m.arrived_ns for m in reqs)
     ends = [m.finished_ns for m in reqs if m.finished_ns]

@@ -1,7 +1,8 @@
 """The findings of `phaselab diagnose`: one per cause of the accounting (analysis/accounting.py),
-each with its key figure, evidence, the change it suggests and the number that would show the change
-worked; `rank_findings` orders them by the cause's share of the run's summed E2E. They read the
-measures (measures.py) held by a Diagnosis (diagnose.py).
+each with its avoidable time and the baseline it is measured from, its key (symptom) figure,
+evidence, the change it suggests and the number that would show the change worked; `rank_findings`
+orders them by avoidable time (the raw share of the run's summed E2E breaks ties and is kept beside
+it). They read the measures (measures.py) held by a Diagnosis (diagnose.py).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from phaselab.analysis import fmt
-from phaselab.analysis.accounting import CAUSES, STALL_FACTOR
+from phaselab.analysis.accounting import BASELINES, CAUSES, STALL_FACTOR
 from phaselab.analysis.measures import FIT_R2
 from phaselab.analysis.predict import Change, Prediction
 
@@ -28,6 +29,7 @@ TITLES = {
     "decode": "later tokens: decode time (not split into K/V reads and per-step cost)",
     "overhead": "tokenization, admission and delivery overhead",
 }
+HEALTHY_SHARE = 0.10  # no cause with avoidable time above this share of the users' time: a healthy run
 
 
 @dataclass
@@ -50,8 +52,8 @@ class KeyFigure:
 class Finding:
     cause: str
     title: str
-    share: float  # of the run's summed E2E: the ranking score
-    seconds: float
+    share: float  # raw: the cause's seconds as a share of the run's summed E2E
+    seconds: float  # raw: the cause's seconds summed over requests
     key: KeyFigure
     verdict: str
     evidence: list[str]
@@ -60,6 +62,9 @@ class Finding:
     suggestion: Change | None = None  # the change as knobs (analysis/advice.py)
     prediction: Prediction | None = None  # its simulated effect on this run
     suggested: bool = True  # False: the prediction says the change would not help, or costs more than it gains
+    avoidable_s: float = 0.0  # the ranking score: seconds over the baseline (accounting.BASELINES)
+    avoidable_share: float = 0.0  # of the run's summed E2E
+    baseline: str = ""  # what avoidable_s is measured from
 
 
 def _policy(config: dict[str, Any]) -> tuple[str | None, int | None]:
@@ -77,14 +82,17 @@ def rank_findings(d: Diagnosis) -> list[Finding]:
                 "stall": _stall_finding, "kv-capacity": _kv_capacity_finding, "decode-kv": _decode_kv_finding,
                 "decode-step": _decode_step_finding, "decode": _decode_finding, "overhead": _overhead_finding}
     out = []
-    shares = d.account.shares
+    acc = d.account
+    shares = acc.shares
     for cause in CAUSES:
-        if d.account.totals[cause] <= 0:
+        if acc.totals[cause] <= 0:
             continue
         f = builders[cause](d)
-        f.share, f.seconds = shares[cause], d.account.totals[cause]
+        f.share, f.seconds = shares[cause], acc.totals[cause]
+        f.avoidable_s, f.avoidable_share = acc.avoidable.get(cause, 0.0), acc.avoidable_share(cause)
+        f.baseline = BASELINES[cause]
         out.append(f)
-    out.sort(key=lambda f: f.share, reverse=True)
+    out.sort(key=lambda f: (f.avoidable_s, f.share), reverse=True)
     return out
 
 
@@ -286,8 +294,12 @@ def _stall_finding(d: Diagnosis) -> Finding:
         change = ("long prompts pause the other streams on the server: schedule prefill in chunks (vLLM: "
                   "--enable-chunked-prefill with a smaller --max-num-batched-tokens), or disaggregate prefill")
     base = sorted(g.baseline_s for g in st.gaps)[len(st.gaps) // 2] if st.gaps else 0.0
-    check = (f"longest gap of a running stream below {fmt.s(STALL_FACTOR * base)} ({STALL_FACTOR:g}x its pace; "
-             f"now {fmt.s(st.max_stall_s)}) and ITL p99 below {fmt.s((d.summary.itl_p99_s or 0) / 2)} "
+    excess = sorted(g.excess_s for g in st.gaps)
+    p99 = excess[min(len(excess) - 1, int(0.99 * len(excess)))] if excess else 0.0
+    ev.insert(1, f"symptom: longest pause {fmt.s(st.max_stall_s)}; p99 of the pauses over the stream's own pace "
+                 f"{fmt.s(p99)} (pace {fmt.s(base)})")
+    check = (f"longest pause of a running stream below {fmt.s(STALL_FACTOR * base)} ({STALL_FACTOR:g}x its pace; "
+             f"now {fmt.s(st.max_stall_s)}); ITL p99 over all tokens may rise as chunks add small pauses "
              f"(now {fmt.s(d.summary.itl_p99_s)})")
     verdict = (f"other requests' prefill paused running streams for {fmt.s(st.total_excess_s)} in all; the longest "
                f"gap was {fmt.s(st.max_stall_s)}")
@@ -336,9 +348,17 @@ def _decode_evidence(d: Diagnosis) -> list[str]:
         if not att.separable:
             ev.append(f"{who}decode time not separable into weights, K/V reads and overhead: {att.reason}")
             continue
-        a_ci, b_ci, c_ci = att.ci
         sh = att.shares or {}
-        ev.append(f"{who}MEASURED over {att.num_steps} decode steps: step = {att.per_step_s * 1e3:.2f} +- "
+        if att.method == "timers":
+            ev.append(f"{who}MEASURED by the engine's kernel timers over {att.num_steps} decode steps "
+                      f"(iterations.jsonl attention_ns / linear_ns): attention (K/V reads) {fmt.pct(sh.get('kv'))}, "
+                      f"linear layers (weights) {fmt.pct(sh.get('weights'))}, the rest (elementwise kernels, "
+                      f"scheduling, sampling, Python) {fmt.pct(sh.get('overhead'))} of decode-step time; attention "
+                      f"{att.per_kv_token_s * 1e6:.3f} ms per 1000 history tokens, linear layers "
+                      f"{fmt.s(att.per_step_s)} per step")
+            continue
+        a_ci, b_ci, c_ci = att.ci
+        ev.append(f"{who}MEASURED (regression: no kernel timers) over {att.num_steps} decode steps: step = {att.per_step_s * 1e3:.2f} +- "
                   f"{a_ci * 1e3:.2f} ms per step (weights {att.weights_s * 1e3:.2f} ms at "
                   f"{'the measured bandwidth' if att.bounded else 'no measured bandwidth: not split off'}) + "
                   f"{att.per_seq_s * 1e3:.3f} +- {b_ci * 1e3:.3f} ms per sequence + {att.per_kv_token_s * 1e6:.3f} +- "
@@ -379,7 +399,8 @@ def _decode_kv_finding(d: Diagnosis) -> Finding:
     step = x.step_p50_s if x else None
     check = (f"decode step p50 below {fmt.s((step or 0) * 0.7)} (now {fmt.s(step)}) with the measured K/V share of "
              f"decode time below {fmt.pct((kv or 0) * 0.6)} (now {fmt.pct(kv)})")
-    verdict = f"K/V-cache reads take {fmt.pct(kv)} of decode time (MEASURED: step time fitted against history)" + (
+    how = ", ".join(sorted({a.describe() for a in d.account.attribution.values() if a.separable})) or "—"
+    verdict = f"K/V-cache reads take {fmt.pct(kv)} of decode time (split by {how})" + (
         ": the history slows the tokens" if (kv or 0) >= 0.3 else "; the history costs little per step here")
     return _f("decode-kv", KeyFigure("K/V reads' share of decode time (measured)", kv or 0.0, "share"), verdict,
               _decode_evidence(d), change, check)
