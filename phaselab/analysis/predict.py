@@ -39,10 +39,17 @@ from typing import Any
 from phaselab.analysis.stats import percentile
 from phaselab.core.timing import RequestMetrics
 
-FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_mean_s", "output_tokens_per_s")
-LOWER_IS_BETTER = {"ttft_p50_s": True, "ttft_p99_s": True, "itl_p50_s": True, "itl_p99_s": True, "e2e_mean_s": True,
-                   "output_tokens_per_s": False}
+# longest_pause_s: the longest gap between two tokens of any stream (the stall's symptom figure)
+FIGURES = ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "longest_pause_s", "e2e_mean_s",
+           "output_tokens_per_s")
+LOWER_IS_BETTER = {"ttft_p50_s": True, "ttft_p99_s": True, "itl_p50_s": True, "itl_p99_s": True,
+                   "longest_pause_s": True, "e2e_mean_s": True, "output_tokens_per_s": False}
 HURT_TOLERANCE = 0.05  # E2E or throughput predicted worse by more than this: flagged with its cost
+# tails: a mean cost per iteration does not give them, so each is also simulated on a noisy machine
+# whose per-shape error is the run's own (sim/noise.py fitted_noise), NOISE_SEEDS draws, and shown as
+# the range of those readings
+TAIL_FIGURES = ("ttft_p99_s", "itl_p99_s", "longest_pause_s")
+NOISE_SEEDS = 5
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Prediction:
     caveats: list[str] = field(default_factory=list)  # what the calibration run could not separate
     # the relative change under each other reading of what the run cannot separate (Predictor)
     readings: list[dict[str, float | None]] = field(default_factory=list)
+    # the relative change on a machine as noisy as the run's, per noise draw (TAIL_FIGURES only)
+    tail_readings: list[dict[str, float | None]] = field(default_factory=list)
 
     def predicted(self, name: str) -> float | None:
         m, b, a = self.measured.get(name), self.sim_before.get(name), self.sim_after.get(name)
@@ -78,8 +87,9 @@ class Prediction:
         """(lowest, highest) relative change over this prediction and its other readings; None
         without other readings (the run separated what the change depends on) or where they agree
         within half a percent (the change does not depend on the split)."""
-        vals = [v for v in [self.relative(name)] + [r.get(name) for r in self.readings] if v is not None]
-        if not self.readings or not vals or max(vals) - min(vals) < 0.005:  # the readings agree
+        others = self.readings + (self.tail_readings if name in TAIL_FIGURES else [])
+        vals = [v for v in [self.relative(name)] + [r.get(name) for r in others] if v is not None]
+        if not others or not vals or max(vals) - min(vals) < 0.005:  # the readings agree
             return None
         return min(vals), max(vals)
 
@@ -99,7 +109,8 @@ class Prediction:
         return {"flags": self.change.flags, "knobs": self.change.knobs, "measured": self.measured,
                 "predicted": {n: self.predicted(n) for n in FIGURES}, "sim_before": self.sim_before,
                 "sim_after": self.sim_after, "cost_model_error": self.cost_model_error, "hurts": self.hurts(),
-                "caveats": self.caveats, "range": {n: self.range(n) for n in FIGURES} if self.readings else None}
+                "caveats": self.caveats,
+                "range": {n: self.range(n) for n in FIGURES} if self.readings or self.tail_readings else None}
 
 
 def figures(requests: list[RequestMetrics]) -> dict[str, float | None]:
@@ -113,6 +124,7 @@ def figures(requests: list[RequestMetrics]) -> dict[str, float | None]:
     t1 = max((m.finished_ns or 0 for m in ok), default=0)
     return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "longest_pause_s": max(itl, default=None),
             "e2e_mean_s": sum(e2e) / len(e2e) if e2e else None,
             "output_tokens_per_s": out_tokens / ((t1 - t0) / 1e9) if t1 > t0 else None}
 
@@ -169,6 +181,17 @@ class Predictor:
             f"(decode) threads; one engine is priced at their speed, though it computes on {one}: its "
             "compute may be faster than predicted")
         self._before = self._simulate({})
+        # the run's own per-shape iteration error against this fit, for the tails (TAIL_FIGURES)
+        from phaselab.cost.record_fit import iteration_cycles, predict_iterations, run_model
+        from phaselab.obs.rundir import engine_config
+        from phaselab.sim.noise import fitted_noise
+
+        iters = sorted(data.iterations, key=lambda r: r.start_ns)
+        model, dtype_bytes = run_model(engine_config(data.config))  # disaggregated: the workers' model
+        measured_s = [c / 1e9 for c in iteration_cycles(iters)]
+        self.noise = fitted_noise(iters, measured_s, list(predict_iterations(fit.params, iters, model, hw, dtype_bytes)))
+        self._noisy_before = [self._simulate({}, noise=dataclasses.replace(self.noise, seed=k))
+                              for k in range(NOISE_SEEDS)] if self.noise.sigma else []
         # what the run cannot separate, read each way it allows (each coefficient of a pair pinned at 0
         # in turn: all per step, all per sequence): a change that depends on the split is predicted
         # under every reading, and the prediction shows the range
@@ -182,7 +205,7 @@ class Predictor:
                 self._readings.append((d, self._simulate({}, d)))
 
     def _simulate(self, knobs: dict[str, Any], deployment: Any = None,
-                  whole: dict[str, Any] | None = None) -> dict[str, float | None]:
+                  whole: dict[str, Any] | None = None, noise: Any = None) -> dict[str, float | None]:
         from phaselab.sim.loop import Simulator
         from phaselab.workload.arrivals import ArrivalPlan
 
@@ -192,7 +215,7 @@ class Predictor:
         if whole:
             d = dataclasses.replace(d, **whole)
         sim = Simulator(d, self.requests, ArrivalPlan(self_timed=True), record_iterations=False,
-                        workload_info={"kind": "diagnose prediction"})
+                        workload_info={"kind": "diagnose prediction"}, noise=noise)
         return figures(sim.run().requests)
 
     def predict(self, change: Change) -> Prediction:
@@ -204,8 +227,13 @@ class Predictor:
         caveats = list(self.caveats)
         if self.deployment.mode == "disagg" and change.deployment.get("mode") == "colocated":
             caveats.append(self.threads_caveat)
+        tails = []
+        for k, before in enumerate(self._noisy_before):
+            after = self._simulate(change.knobs, None, change.deployment, dataclasses.replace(self.noise, seed=k))
+            tails.append({n: (a - b) / b if (b := before.get(n)) and (a := after.get(n)) is not None else None
+                          for n in TAIL_FIGURES})
         return Prediction(change, self.measured, self._before, self._simulate(change.knobs, None, change.deployment),
-                          self.cost_model_error, caveats, readings)
+                          self.cost_model_error, caveats, readings, tails)
 
 
 def make_predictor(path: str | PathLike[str] | None) -> tuple[Predictor | None, str | None]:

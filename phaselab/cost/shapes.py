@@ -50,6 +50,9 @@ class RecordedChunk(Protocol):
     @property
     def context_len(self) -> int: ...
 
+    @property
+    def is_prefill(self) -> bool: ...
+
 
 class Modeled(Protocol):
     """The modeled cost a recorded iteration carries (cost.formulas.ModeledCost)."""

@@ -165,6 +165,7 @@ def client_figures(results: list[Any]) -> dict[str, float | None]:
              default=0)
     return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "itl_p50_s": percentile(itl, 50), "itl_p99_s": percentile(itl, 99),
+            "longest_pause_s": max(itl, default=None),
             "e2e_mean_s": sum(e2e) / len(e2e) if e2e else None,
             "output_tokens_per_s": sum(r.num_output_tokens for r in ok) / ((t1 - t0) / 1e9) if t1 > t0 else None}
 

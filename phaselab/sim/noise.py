@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from phaselab.cost.pricing import IterationCost
-from phaselab.cost.shapes import Plan
+from phaselab.cost.shapes import Plan, RecordedIteration
 from phaselab.errors import ConfigError
 
 SHAPE_CLASSES = ("decode", "prefill", "mixed", "decode+prefix", "prefill+prefix", "mixed+prefix")
@@ -112,6 +113,46 @@ class IterationNoise:
         sigma = self._lookup(self.sigma, cls, 0.0)
         z = rng.gauss(0.0, 1.0)  # drawn every iteration, so one class's entry does not shift another's draws
         return self._lookup(self.bias, cls, 1.0) * math.exp(sigma * z) * self.slow_factor(t_s)
+
+
+def record_class(rec: RecordedIteration, long_prefix: int = 1024) -> str:
+    """`IterationNoise.shape_class` of a recorded iteration (its chunks: a chunk's first position is
+    its context after the step less its tokens)."""
+    prefill = decode = prefix = False
+    for c in rec.chunks:
+        if c.num_tokens > 1 or c.is_prefill:
+            prefill = True
+            prefix = prefix or c.context_len - c.num_tokens >= long_prefix
+        else:
+            decode = True
+    base = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+    return base + "+prefix" if prefix else base
+
+
+MIN_CLASS_ITERATIONS = 5  # a shape class with fewer measured iterations takes the run's overall error
+
+
+def fitted_noise(iterations: Sequence[RecordedIteration], measured_s: Sequence[float], predicted_s: Sequence[float],
+                 seed: int = 0, long_prefix: int = 1024) -> IterationNoise:
+    """The noise a run's own iterations show against a cost model: per shape class, the median of
+    log(measured / predicted) as its bias and their standard deviation as its sigma (a lognormal);
+    classes with fewer than MIN_CLASS_ITERATIONS iterations use the run's whole ("*")."""
+    by: dict[str, list[float]] = {}
+    for rec, m, p in zip(iterations, measured_s, predicted_s):
+        if m > 0 and p > 0:
+            by.setdefault(record_class(rec, long_prefix), []).append(math.log(m / p))
+    every = [x for v in by.values() for x in v]
+    sigma: dict[str, float] = {}
+    bias: dict[str, float] = {}
+    for cls, logs in [("*", every)] + sorted(by.items()):
+        if len(logs) < (2 if cls == "*" else MIN_CLASS_ITERATIONS):
+            continue
+        logs = sorted(logs)
+        mid = logs[len(logs) // 2] if len(logs) % 2 else (logs[len(logs) // 2 - 1] + logs[len(logs) // 2]) / 2
+        mean = sum(logs) / len(logs)
+        sigma[cls] = math.sqrt(sum((x - mean) ** 2 for x in logs) / (len(logs) - 1))
+        bias[cls] = math.exp(mid)
+    return IterationNoise(sigma=sigma, bias=bias, long_prefix=long_prefix, seed=seed)
 
 
 def scaled(cost: IterationCost, factor: float) -> IterationCost:
