@@ -1,29 +1,32 @@
 """Diagnosis on real engine runs built to have one known cause each (the bundled model, bf16 or
 fp32 by the CPU (tests/_model_helpers.serving_dtype), small workloads driven with arrival timing by
-phaselab.workload.driver.run_arrivals):
+phaselab.workload.driver.run_arrivals). Causes are ranked by avoidable time (analysis/accounting.py:
+each cause's seconds over a stated baseline), and each truth comes from a controlled experiment or
+the run's raw records, never from the diagnosis' own formulas:
 
     queue-bound      arrivals far above capacity (max_num_seqs=2, a request every 50 ms)
     prefill-bound    long prompts, few requests, one at a time, two output tokens, all beginning with the
                      same 768 tokens and prefix caching off
-    decode/KV-bound  long histories (a 5000-token shared prefix served by the prefix cache), batch 32;
-                     truth: the same batch at short histories
+    decode/KV-bound  24 requests over one cached 2400-token prefix decoding together: one batch, one
+                     history; truth: the same batch rerun at 64-token contexts
     KV capacity      a 4 MiB cache for 10 growing requests; truth: the scheduler's preemption count
-    healthy          a few spaced requests: no queue, stall or KV-capacity finding of weight
-    stall            prefill-first, two 1024-token prompts arriving among four decoding streams
+    healthy          a few spaced requests: no cause with avoidable time over 10% of the users' time
+    stall            prefill-first, three 2000-token prompts arriving among six decoding streams, alone
+                     and beside a CPU-bound job; truth: the streams' time in reruns without the prompts
+    queue and stall  both at once: both in the top two
 
 The slow-transfer-link scenario (1P1D, KV over a veth shaped with tc, through serve + bench) is in
 tests/test_analysis_transfer.py; following each top suggestion with --verify in
-tests/test_analysis_verify.py.
-
-For each, the top-ranked cause must be the built-in one and its key figure within 15% of the ground
-truth computed here from the run's own records (raw timestamps and iteration records, not through
-the accounting). Wall-clock times are never asserted.
+tests/test_analysis_verify.py. Wall-clock times are never asserted: a figure is judged against a
+second run made beside it, or against the run's own records.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -35,12 +38,7 @@ from tests._model_helpers import kv_memory, serving_checkpoint, serving_dtype
 
 pytestmark = pytest.mark.slow
 REL = 0.15
-# the decode-kv scenario's cost per history token, diagnosis against the controlled experiment, judged
-# per attempt at a fixed tolerance: seven attempts here (bf16 on the AMX Xeon, 2 cores, load average
-# 0.4-1.8) missed by 10.8, 16.6, 6.7, 12.2, 0.3, 0.9 and 7.1% (the experiment's own 95% half-width
-# 2-10%); the one at 16.6% was followed by one at 6.7%
-KV_COST_REL = 0.15
-ATTEMPTS = 3
+ATTEMPTS = 3  # each judged alone at REL
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +64,10 @@ def _run(engine, arrivals, path):
 
 
 def _shares(d) -> str:
-    top = sorted(d.account.shares.items(), key=lambda kv: -kv[1])[:3]
-    return "; ranking " + ", ".join(f"{c} {v:.1%}" for c, v in top)
+    """The avoidable ranking's first three and the raw shares' first three, to read a result by."""
+    raw = sorted(d.account.shares.items(), key=lambda kv: -kv[1])[:3]
+    return ("; ranking (avoidable) " + ", ".join(f"{f.cause} {f.avoidable_share:.1%}" for f in d.findings[:3])
+            + "; raw shares " + ", ".join(f"{c} {v:.1%}" for c, v in raw))
 
 
 def _raw(path, name):
@@ -135,137 +135,150 @@ def test_prefill_bound(checkpoint, tmp_path):
     assert d.top.prediction is not None and d.top.prediction.change.flags == "--enable-prefix-caching"
 
 
-def _decode_steps_at(path, batch):
-    return [(r["end_ns"] - r["start_ns"]) / 1e9 for r in _raw(path, "iterations.jsonl")
-            if r["num_prefill_tokens"] == 0 and r["num_decode_tokens"] == batch]
-
-
-def _per_history_token(engine, rng, prefix, rounds):
-    """The controlled experiment: batch 32 decoding at short, then at long histories, each wave its
-    own run, alternated `rounds` times. The waves are the run's own (24 and 48 tokens): a wave's
-    steps slow as it goes on (measured 97 -> 139 ms over 48 steps), so shorter waves measured
-    only their fast start. Returns the steps' times and histories per length."""
-    steps: dict[str, list[float]] = {"short": [], "long": []}
-    ctxs: dict[str, list[float]] = {"short": [], "long": []}
-    for k in range(rounds):
-        for name, pre, tokens in (("short", [], 24), ("long", prefix, 48)):
-            tag = f"{name}{k}-{rng.integers(1 << 30)}"
-            wave = [Arrival(f"{tag}-{i}", pre + random_prompt(rng, 16), tokens, at_s=0.0) for i in range(32)]
-            if pre:
-                wave = [Arrival(f"w{tag}", pre + random_prompt(rng, 16), 1, at_s=0.0)] + [
-                    dataclasses.replace(a, at_s=None, after_finished=f"w{tag}") for a in wave]
-            n = len(engine.iterations)
-            run_arrivals(engine, wave)
-            batch = [r for r in list(engine.iterations)[n:] if r.num_prefill_tokens == 0 and r.num_decode_tokens == 32]
-            steps[name] += [r.duration_s for r in batch]
-            ctxs[name] += [float(sum(c.context_len for c in r.chunks)) for r in batch]
-    return steps, ctxs
-
-
-def _experiment_half_width(steps, ctxs) -> float:
-    """Half the 95% interval of the experiment's cost per history token (medians of resampled
-    steps, 2000 draws): the truth is measured on a noisy machine too."""
-    rng = np.random.default_rng(7)
-    short, long = np.array(steps["short"]), np.array(steps["long"])
-    span = float(np.mean(ctxs["long"]) - np.mean(ctxs["short"]))
-    draws = [(np.median(rng.choice(long, long.size)) - np.median(rng.choice(short, short.size))) / span
-             for _ in range(2000)]
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    return float(hi - lo) / 2
-
-
 def kv_bound_prefix() -> int:
-    """The shared history's length that makes batch 32's decode K/V-bound on this host: each
-    sequence's K/V read per step must clearly outweigh its share of the weights and the
-    per-sequence compute. Serving bf16 (a CPU with AVX512-BF16 or AMX), 5000 tokens: at 1600 the two
-    were even, and at 3000 again once the decode attention got faster (decode-kv 42.7% against
-    decode-step 41.5% of the run). Serving fp32 (an AVX2-only EPYC) on the quantized blocks
-    (tests/_model_helpers.serving_checkpoint), 5000 too: decode-kv 46.1% against decode-step 24.0%
-    (steps of 133 ms at short histories, 448 ms at 5000). On weights widened to dense fp32, whose
-    32-row steps took 200-330 ms at short histories, decode-step had led in 4 of 5 attempts at 5000."""
+    """The shared history's length that makes batch 32's decode K/V-bound on this host (the verify
+    scenario's, tests/test_analysis_verify.py): each sequence's K/V read per step must clearly
+    outweigh its share of the weights and the per-sequence compute. Serving bf16 (a CPU with
+    AVX512-BF16 or AMX), 5000 tokens: at 1600 the two were even, and at 3000 again once the decode
+    attention got faster (decode-kv 42.7% against decode-step 41.5% of the run). Serving fp32 (an
+    AVX2-only EPYC) on the quantized blocks (tests/_model_helpers.serving_checkpoint), 5000 too:
+    decode-kv 46.1% against decode-step 24.0% (steps of 133 ms at short histories, 448 ms at 5000)."""
     return 5000
 
 
-def test_decode_kv_bound(checkpoint, tmp_path):
-    """The run: a short wave (32 requests, 16-token prompts, 24 tokens) then a long one (the same
-    batch over a long shared prefix (kv_bound_prefix) from the prefix cache, 48 tokens: decoding,
-    not the one long prefill, is most of the run), so the history varies within the run. Truth by a controlled experiment outside it: the same batch of 32 decoding at
-    short and at long histories in separate runs gives the cost per history token,
-    (long step - short step) / (long history - short history); the K/V share of the run's decode
-    time is that cost times each step's history over the steps' measured time.
+KV_PREFIX, KV_BATCH, KV_TOKENS = 2400, 24, 128  # issue 38's KV-bound run: one prefix, one batch, one history
+SHORT_PROMPT, SHORT_TOKENS = 48, 32  # the controlled rerun: the same batch at 48-80-token contexts (64 on average)
 
-    The experiment's rounds sandwich the diagnosed run (one before, one after), so a drift of the
-    shared machine's load during the test moves both alike. A disagreement (in the top cause or the
-    cost) is measured again from scratch, twice, before it fails: load on a 2-core CI machine can
-    shift by more than the tolerance within a minute (steps of one wave measured 100 to 155 ms),
-    a wrong attribution is wrong every time. Each attempt is judged alone, at the fixed KV_COST_REL.
-    The K/V floor counts a shared prefix's blocks once per step: the experiment measured 0.66 us per
-    history token where a floor per reader said 0.83."""
+
+def _steps_at(engine, arrivals, batch) -> list[float]:
+    """Drive `arrivals` through `engine`; the durations of its decode-only steps at `batch`."""
+    n = len(engine.iterations)
+    run_arrivals(engine, arrivals)
+    return [r.duration_s for r in list(engine.iterations)[n:]
+            if r.num_prefill_tokens == 0 and r.num_decode_tokens == batch]
+
+
+def test_decode_kv_bound(checkpoint, tmp_path):
+    """Issue 38 (a): a KV-bound run with one shared prefix, one batch size and one context length, which
+    no regression over batch and history can split (nothing varies): 24 requests over a cached
+    2400-token prefix decoding 128 tokens each, together. The diagnosis splits decode time by the
+    engine's own kernel timers (iterations.jsonl attention_ns / linear_ns) and must rank decode-kv
+    first, with its K/V share of decode time within 15% of the controlled experiment's: the same
+    batch of 24 rerun at 64-token contexts (48-token prompts, 32 tokens each), before and after the
+    diagnosed run on the same engine, gives the step without the history; the K/V share is
+    1 - short step / long step (medians). Each attempt is judged alone at the fixed REL."""
+    from phaselab.analysis.findings import measured_kv_share
+
     rng = np.random.default_rng(2)
-    prefix = random_prompt(rng, kv_bound_prefix())
+    prefix = random_prompt(rng, KV_PREFIX)
     outcomes = []
     for attempt in range(ATTEMPTS):
-        engine = _engine(checkpoint, max_model_len=8192, kv_cache_memory=kv_memory(512))
-        steps, ctxs = _per_history_token(engine, rng, prefix, rounds=1)
-        arrivals = [Arrival(f"s{i}", random_prompt(rng, 16), 24, at_s=0.0) for i in range(32)]
-        arrivals += [Arrival("warm", prefix + random_prompt(rng, 16), 1, after_finished="s31")]
-        arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), 48, after_finished="warm") for i in range(32)]
+        engine = _engine(checkpoint, max_model_len=4096, kv_cache_memory=kv_memory(512))
+
+        def short_wave(tag):
+            return _steps_at(engine, [Arrival(f"{tag}-{i}", random_prompt(rng, SHORT_PROMPT), SHORT_TOKENS, at_s=0.0)
+                                      for i in range(KV_BATCH)], KV_BATCH)
+
+        short = short_wave(f"short-before-{attempt}")
+        arrivals = [Arrival("warm", prefix + random_prompt(rng, 16), 1, at_s=0.0)]
+        arrivals += [Arrival(f"d{i}", prefix + random_prompt(rng, 16), KV_TOKENS, after_finished="warm")
+                     for i in range(KV_BATCH)]
         path = tmp_path / f"decode{attempt}"
-        d, run = _run(_engine(checkpoint, max_model_len=8192, kv_cache_memory=kv_memory(512)), arrivals, path)
-        # the long histories came from the cache
-        assert sum(m.num_cached_tokens for m in run.requests) >= 32 * (len(prefix) - 16)
-        after_steps, after_ctxs = _per_history_token(engine, rng, prefix, rounds=1)
-        for name in steps:
-            steps[name] += after_steps[name]
-            ctxs[name] += after_ctxs[name]
-        short_s, long_s = float(np.median(steps["short"])), float(np.median(steps["long"]))
-        short_ctx, long_ctx = float(np.mean(ctxs["short"])), float(np.mean(ctxs["long"]))
-        per_token = (long_s - short_s) / (long_ctx - short_ctx)
-        its = [r for r in _raw(path, "iterations.jsonl")
-               if r["num_prefill_tokens"] == 0 and r["num_decode_tokens"] > 0]
-        truth = per_token * sum(sum(c["context_len"] for c in r["chunks"]) for r in its) / sum(
-            (r["end_ns"] - r["start_ns"]) / 1e9 for r in its)
+        n = len(engine.iterations)
+        run_arrivals(engine, arrivals)
+        run_iters = list(engine.iterations)[n:]
+        engine.write_record(str(path))
+        short += short_wave(f"short-after-{attempt}")
+        d = diagnose(path)
+        write_diagnosis(d, path)
+        run = read_run_dir(path)
+        assert sum(m.num_cached_tokens for m in run.requests) >= KV_BATCH * (KV_PREFIX - 16)  # from the cache
+        long_steps = [r.duration_s for r in run_iters if r.num_prefill_tokens == 0 and r.num_decode_tokens == KV_BATCH]
+        truth = 1 - float(np.median(short)) / float(np.median(long_steps))
         att = d.account.attribution["engine-0"]
-        assert att.separable, att.reason
-        print(f"attempt {attempt + 1}: K/V share of decode time: diagnosis {att.shares['kv']:.4f}, controlled "
-              f"experiment {truth:.4f}; per history token {att.per_kv_token_s * 1e6:.3f} +- {att.ci[2] * 1e6:.3f} vs "
-              f"{per_token * 1e6:.3f} +- {_experiment_half_width(steps, ctxs) * 1e6:.3f} us "
-              f"({short_s * 1e3:.1f} ms at {short_ctx:.0f} vs {long_s * 1e3:.1f} ms at {long_ctx:.0f} tokens)"
-              + _shares(d))
-        # the top cause is the K/V reads, and the measured cost per history token agrees with the
-        # controlled experiment within a fixed KV_COST_REL (the intervals above are printed to read a
-        # failure by, never added to the tolerance)
+        assert att.separable and att.method == "timers", (att.method, att.reason)
+        share = measured_kv_share(d)
         top = d.top.cause if d.top is not None else None
-        miss = abs(att.per_kv_token_s - per_token) / per_token
-        outcomes.append(f"attempt {attempt + 1}: top cause {top}, per history token diagnosis "
-                        f"{att.per_kv_token_s * 1e6:.3f} us vs experiment {per_token * 1e6:.3f} us ({miss:.1%} apart)")
-        if top == "decode-kv" and miss <= KV_COST_REL:
+        outcomes.append(f"attempt {attempt + 1}: top cause {top}; K/V share of decode time: diagnosis {share:.3f}, "
+                        f"controlled experiment {truth:.3f} (steps {np.median(short) * 1e3:.1f} ms at 64-token "
+                        f"contexts, {np.median(long_steps) * 1e3:.1f} ms at {KV_PREFIX}+)" + _shares(d))
+        print(outcomes[-1])
+        if top == "decode-kv" and share is not None and abs(share - truth) <= REL * truth:
             return
-    pytest.fail(f"the top cause is not decode-kv, or its cost per history token is more than {KV_COST_REL:.0%} "
-                "from the controlled experiment's, in every attempt:\n" + "\n".join(outcomes))
+    pytest.fail("the top cause is not decode-kv, or its K/V share is more than 15% from the controlled "
+                "experiment's, in every attempt:\n" + "\n".join(outcomes))
 
 
-def test_stall(checkpoint, tmp_path):
-    rng = np.random.default_rng(3)
-    arrivals = [Arrival(f"stream-{i}", random_prompt(rng, 64), 32, "stream", at_s=0.0) for i in range(4)]
-    arrivals += [Arrival(f"long-{k}", random_prompt(rng, 1024), 2, "long", after_group_tokens=("stream", 6 + 10 * k))
-                 for k in range(2)]
-    d, _ = _run(_engine(checkpoint, policy="prefill-first"), arrivals, tmp_path / "stall")
-    assert d.top is not None and d.top.cause == "stall", d.account.shares
-    reqs = _raw(tmp_path / "stall", "requests.jsonl")
-    its = _raw(tmp_path / "stall", "iterations.jsonl")
+STALL_STREAMS, STALL_TOKENS, STALL_PROMPT = 6, 40, 2000  # issue 38 (b): six streams, three 2000-token prompts
+
+
+def _stall_arrivals(rng, with_long: bool) -> list[Arrival]:
+    arrivals = [Arrival(f"stream-{i}", random_prompt(rng, 64), STALL_TOKENS, "stream", at_s=0.0)
+                for i in range(STALL_STREAMS)]
+    if with_long:
+        arrivals += [Arrival(f"long-{k}", random_prompt(rng, STALL_PROMPT), 2, "long",
+                             after_group_tokens=("stream", 6 + 10 * k)) for k in range(3)]
+    return arrivals
+
+
+def _streams_time(engine, arrivals) -> float:
+    """The streams' summed E2E in this run, from the engine's own records."""
+    n = len(engine.finished_requests)
+    run_arrivals(engine, arrivals)
+    return sum(m.e2e_s for m in list(engine.finished_requests)[n:] if m.request_id.startswith("stream"))
+
+
+@contextlib.contextmanager
+def _busy_neighbour():
+    """A CPU-bound job sharing the two cores for as long as the block runs (a shared production host)."""
+    job = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        yield
+    finally:
+        job.kill()
+        job.wait()
+
+
+@pytest.mark.parametrize("neighbour", [False, True], ids=["alone", "busy-neighbour"])
+def test_stall(checkpoint, tmp_path, neighbour):
+    """Issue 38 (b): an unchunked stall (prefill-first) with steady streams, alone and with a CPU-bound
+    job sharing the cores. Top cause stall in both (steady decoding at the engine's pace is not a
+    cause, however slow the busy machine makes it), and its avoidable time within 15% of the truth
+    from a controlled rerun: the streams' summed E2E minus the same streams' in runs without the long
+    prompts, before and after (their mean), on the same engine. The longest stall is checked against
+    the raw records. Each attempt is judged alone at the fixed REL."""
+    outcomes = []
+    for attempt in range(ATTEMPTS):
+        rng = np.random.default_rng(3 + attempt)
+        reference = _engine(checkpoint, policy="prefill-first")  # the runs without the long prompts
+        engine = _engine(checkpoint, policy="prefill-first")  # the diagnosed run, alone in its record
+        path = tmp_path / f"stall{attempt}"
+        with _busy_neighbour() if neighbour else contextlib.nullcontext():
+            before = _streams_time(reference, _stall_arrivals(rng, False))
+            with_long = _streams_time(engine, _stall_arrivals(rng, True))
+            after = _streams_time(reference, _stall_arrivals(rng, False))
+        engine.write_record(str(path))
+        d = diagnose(path)
+        avoidable = sum(a.avoidable["stall"] for a in d.account.requests if a.request_id.startswith("stream"))
+        truth = with_long - (before + after) / 2
+        top = d.top.cause if d.top is not None else None
+        outcomes.append(f"attempt {attempt + 1}: top cause {top}; stall avoidable {avoidable:.2f} s, rerun truth "
+                        f"{truth:.2f} s (streams {with_long:.2f} s with the long prompts, {before:.2f} / {after:.2f} s "
+                        f"without)" + _shares(d))
+        print(outcomes[-1])
+        if top == "stall" and abs(avoidable - truth) <= REL * truth:
+            break
+    else:
+        pytest.fail("the top cause is not stall, or its avoidable time is more than 15% from the rerun's, in every "
+                    "attempt:\n" + "\n".join(outcomes))
+    reqs = _raw(path, "requests.jsonl")
     longest_gap = max(b - a for r in reqs if r["request_id"].startswith("stream")
                       for a, b in zip(r["token_sent_ns"], r["token_sent_ns"][1:])) / 1e9
-    decode_steps = sorted(r["duration_s"] for r in its if r["num_prefill_tokens"] == 0)
-    longest_prefill = max(r["duration_s"] for r in its if any(c["request_id"].startswith("long") for c in r["chunks"]))
-    physical = longest_prefill + decode_steps[len(decode_steps) // 2]
-    print(f"longest stall: diagnosis {d.top.key.value:.3f} s, records: longest stream gap {longest_gap:.3f} s, "
-          f"longest prefill iteration + a decode step {physical:.3f} s" + _shares(d))
-    assert d.top.key.value == pytest.approx(longest_gap, rel=REL)
-    assert d.top.key.value == pytest.approx(physical, rel=REL)
+    print(f"longest stall: diagnosis {d.stalls.max_stall_s:.3f} s, records: longest stream gap {longest_gap:.3f} s")
+    assert d.stalls.max_stall_s == pytest.approx(longest_gap, rel=REL)
     culprit = d.stalls.culprits[0]
-    assert set(culprit.requests) <= {"long-0", "long-1"} and len(culprit.streams) == 4
-    assert "--policy chunked" in d.top.change
+    assert set(culprit.requests) <= {f"long-{k}" for k in range(3)} and len(culprit.streams) == STALL_STREAMS
+    assert "--policy chunked" in d.finding("stall").change
 
 
 def test_ttft_shares_of_a_real_run_sum_to_100_and_match_the_record(checkpoint, tmp_path):
@@ -311,19 +324,40 @@ def test_kv_capacity_with_preemption(checkpoint, tmp_path):
     assert "--kv-cache-memory" in d.top.change
 
 
+def test_queue_and_stalls_both_rank_in_the_top_two(checkpoint, tmp_path):
+    """Issue 38 (c): prefill-first with four seats, three streams decoding while three 1500-token
+    prompts arrive among them (stalls) and a burst of eight short requests arrives mid-way (it
+    waits for seats: a queue). Both causes must be in the top two of the avoidable ranking."""
+    rng = np.random.default_rng(11)
+    arrivals = [Arrival(f"stream-{i}", random_prompt(rng, 64), 48, "stream", at_s=0.0) for i in range(3)]
+    arrivals += [Arrival(f"long-{k}", random_prompt(rng, 1500), 2, "long", after_group_tokens=("stream", 6 + 12 * k))
+                 for k in range(3)]
+    arrivals += [Arrival(f"burst-{i}", random_prompt(rng, 32), 16, "burst", after_group_tokens=("stream", 12))
+                 for i in range(8)]
+    d, _ = _run(_engine(checkpoint, policy="prefill-first", max_num_seqs=4), arrivals, tmp_path / "both")
+    top2 = [f.cause for f in d.findings[:2]]
+    print(_shares(d))
+    assert set(top2) == {"queue", "stall"}, [(f.cause, f.avoidable_share) for f in d.findings]
+
+
 def test_healthy_control_raises_no_false_alarm(checkpoint, tmp_path):
-    """Four short requests, one at a time with room to spare: the time is the decode work itself;
-    no queue, stall, KV-capacity or transfer cause may carry weight. Each arrives when the one before
-    finished (spaced by 1.5 s, a request outlasted its gap on a loaded 2-core machine and the
-    next one queued: 18% queue in a "healthy" run)."""
+    """Issue 38 (d): four short requests, one at a time with room to spare: the time is the decode work
+    itself at the engine's pace, so no cause may have avoidable time over 10% of the users' time, and
+    the diagnosis says the run is healthy. Each arrives when the one before finished (spaced by 1.5 s,
+    a request outlasted its gap on a loaded 2-core machine and the next one queued: 18% queue in a
+    "healthy" run)."""
+    from phaselab.analysis.findings import HEALTHY_SHARE
+
     rng = np.random.default_rng(5)
     arrivals: list[Arrival] = []
     for i in range(4):
         arrivals.append(Arrival(f"h{i}", random_prompt(rng, 32), 16, at_s=None if arrivals else 0.0,
                                 after_finished=arrivals[-1].request_id if arrivals else None))
     d, _ = _run(_engine(checkpoint), arrivals, tmp_path / "healthy")
-    assert d.top is not None and d.top.cause in ("decode-step", "decode", "decode-kv"), d.account.shares
-    shares = d.account.shares
-    for cause in ("queue", "stall", "kv-capacity", "transfer"):
-        assert shares[cause] < 0.05, (cause, shares)
+    print(_shares(d))
+    assert all(f.avoidable_share <= HEALTHY_SHARE for f in d.findings), [(f.cause, f.avoidable_share)
+                                                                          for f in d.findings]
+    assert d.healthy and "Healthy" in (tmp_path / "healthy" / "diagnosis.md").read_text()
+    # the raw time is the decode work, and it is kept beside the ranking
+    assert max(d.account.shares, key=d.account.shares.get) in ("decode-step", "decode", "decode-kv")
     assert d.account.num_preemptions == 0

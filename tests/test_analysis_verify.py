@@ -5,8 +5,8 @@
     prefill      lone prompts sharing a 768-token beginning, prefix caching off -> --enable-prefix-caching
                  (TTFT p50)
     stall        prefill-first, three 1024-token prompts among streams of 32 or 48 tokens -> --policy chunked
-                 (ITL p99; with two, stall and the per-step cost took 0.41 and 0.43 of the time on CI's CPU, a
-                 near-tie the ranking could call either way; with three, 0.52 against 0.28 here)
+                 (the longest pause, the stall's symptom figure; and each p99 of the table within 30% of the
+                 rerun or inside its predicted range over the run's own iteration noise)
     kv-capacity  a 4 MiB cache for 10 growing requests         -> more --kv-cache-memory (TTFT p50)
     decode-kv    32 sequences decoding over a cached 5000-token prefix (kv_bound_prefix) -> fewer --max-num-seqs (ITL p50)
 
@@ -54,6 +54,7 @@ from tests.test_analysis_causes import PREFILL_ENGINE, kv_bound_prefix, prefill_
 
 pytestmark = pytest.mark.slow
 REL = 0.25
+TAIL_REL = 0.30  # a p99 prediction, absolute after the change, against the rerun (or a range that holds it)
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +129,12 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
         if cause == "decode-kv":  # decode batches of 8 to 32: the per-sequence cost is measured, not guessed
             assert not any("decode-only iteration" in c for c in p.caveats), p.caveats
         # every run varies what its change depends on (the queue run decodes at batch 1 and 2, the stall
-        # run's streams end apart, the decode-kv run's batches span 8 to 32): one prediction, not a range
-        assert p.range(target) is None, (p.caveats, p.range(target))
+        # run's streams end apart, the decode-kv run's batches span 8 to 32), or its change does not
+        # depend on what it cannot separate (the prefill run decodes one sequence; the cache's effect
+        # is the same under both readings): the calibration's readings agree on the target figure (a
+        # tail's range over the run's own iteration noise is another matter: predict.TAIL_FIGURES)
+        calibrations = [v for v in [p.relative(target)] + [r.get(target) for r in p.readings] if v is not None]
+        assert max(calibrations) - min(calibrations) < 0.005, (p.caveats, p.readings)
         v = verify(str(path), p)
         if cause == "decode-kv":  # the long wave waited for the short one's end, as the run's did
             assert any("33 of 65 requests arrived within 20 ms of another's end" in n for n in v.notes), v.notes
@@ -137,10 +142,25 @@ def test_top_suggestion_verified_by_rerun(checkpoint, tmp_path, cause):
         assert predicted is not None and measured is not None
         improved = measured < 0 if LOWER_IS_BETTER[target] else measured > 0
         agrees = abs(predicted - measured) <= REL * abs(measured)
+        # issue 38, on the stall scenario: every p99 prediction of the table within TAIL_REL of the rerun,
+        # or shown as a range (the run's own per-shape iteration error, simulated) that contains it
+        tails_off = []
+        for n in ("ttft_p99_s", "itl_p99_s") if cause == "stall" else ():
+            pr, me, span = p.relative(n), v.measured_relative(n), p.range(n)
+            if pr is None or me is None:
+                continue
+            before, after = v.before.get(n), v.after.get(n)
+            predicted_after = before * (1 + pr) if before is not None else None
+            inside = span is not None and span[0] - 0.005 <= me <= span[1] + 0.005
+            near = predicted_after is not None and after and abs(predicted_after - after) <= TAIL_REL * after
+            if not (inside or near):
+                tails_off.append(f"{LABEL[n]} predicted {pr:+.0%}"
+                                 + (f" ({span[0]:+.0%}..{span[1]:+.0%})" if span else "") + f", measured {me:+.0%}")
+        agrees = agrees and not tails_off
         predicted_text = f"{predicted:+.0%}"
         row = (f"{cause:<12} {p.change.flags:<50} {LABEL[target]:<9} predicted {predicted_text} measured "
                f"{measured:+.0%} (attempt {attempt + 1}; reruns of one side differ by up to "
-               f"{(v.spread(target) or 0):.0%})")
+               f"{(v.spread(target) or 0):.0%})" + (f"; tails off: {'; '.join(tails_off)}" if tails_off else ""))
         print("\n" + v.text() + row)
         outcomes.append((improved, agrees, row))
         if improved and agrees:
